@@ -1,0 +1,118 @@
+"""Building blocks shared by Ling and the DSpark draft: parameters with logical axes, Linear,
+RMSNorm, and rotary embeddings (interleaved for MLA, rotate-half for the draft).
+
+Every parameter is an `nnx.Param` carrying `logical=(axis names...)`; `lingjax.sharding` maps those
+names onto a device mesh. Logical names used: 'vocab', 'embed', 'heads', 'kv_heads', 'head_dim',
+'experts', 'mlp', 'latent', None (replicated).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lingjax.config import RopeScaling, yarn_get_mscale
+
+
+def acc_dtype(dtype) -> jnp.dtype:
+    """Dtype for 'fp32 in the published code' math: float32, or float64 when running in x64."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def param(rngs: nnx.Rngs | None, shape, logical, dtype, init: str = "normal", std: float = 0.02) -> nnx.Param:
+    """A parameter with logical axis names. init: 'normal' (std), 'ones', 'zeros'."""
+    assert len(shape) == len(logical), (shape, logical)
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical=tuple(logical))
+
+
+class Linear(nnx.Module):
+    """y = x @ W, W stored [in, *out] (no bias). `logical` names (in, *out) axes."""
+
+    def __init__(self, in_features: int, out_shape, logical, *, dtype, rngs, std: float | None = None):
+        out_shape = tuple(out_shape) if isinstance(out_shape, (tuple, list)) else (out_shape,)
+        std = std if std is not None else 1.0 / math.sqrt(in_features)
+        self.weight = param(rngs, (in_features, *out_shape), logical, dtype, std=std)
+
+    def __call__(self, x):
+        w = self.weight[...]
+        return jnp.tensordot(x.astype(w.dtype), w, axes=1)
+
+
+class RMSNorm(nnx.Module):
+    """Normalise in fp32 over the last dim, cast back to the input dtype, multiply by the weight."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, logical=("embed",)):
+        self.eps = eps
+        self.weight = param(None, (dim,), logical, dtype, init="ones")
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+def rms_norm(x, weight, eps: float):
+    xf = x.astype(acc_dtype(x.dtype))
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+# ---- rotary embeddings -----------------------------------------------------------------------
+def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None = None, dtype=jnp.float32):
+    """inv_freq [dim/2] = theta^(-arange(0, dim, 2)/dim), YaRN-blended when `scaling` is given."""
+    exps = jnp.arange(0, dim, 2, dtype=dtype) / dim
+    inv_freq = 1.0 / (theta ** exps)
+    if scaling is None:
+        return inv_freq
+    # YaRN (DeepSeek-V2 style): interpolate low frequencies, keep high ones.
+    extra = inv_freq
+    inter = inv_freq / scaling.factor
+    low, high = _yarn_correction_range(scaling.beta_fast, scaling.beta_slow, dim, theta,
+                                       scaling.original_max_position_embeddings)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=dtype) - low) / max(high - low, 1e-3), 0.0, 1.0)
+    mask = 1.0 - ramp
+    return inter * (1.0 - mask) + extra * mask
+
+
+def _yarn_correction_range(beta_fast, beta_slow, dim, base, max_pos):
+    def dim_for(rot):
+        return (dim * math.log(max_pos / (rot * 2 * math.pi))) / (2 * math.log(base))
+    low = math.floor(dim_for(beta_fast))
+    high = math.ceil(dim_for(beta_slow))
+    return max(low, 0), min(high, dim - 1)
+
+
+def rope_cos_sin(positions, dim: int, theta: float, scaling: RopeScaling | None = None, dtype=jnp.float32):
+    """cos, sin [..., dim] for integer positions [...]: cat(freqs, freqs) layout (rotate-half)."""
+    inv_freq = rope_inv_freq(dim, theta, scaling, dtype)
+    freqs = positions.astype(dtype)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    mscale = 1.0
+    if scaling is not None:
+        mscale = yarn_get_mscale(scaling.factor, scaling.mscale) / yarn_get_mscale(scaling.factor, scaling.mscale_all_dim)
+    return jnp.cos(emb) * mscale, jnp.sin(emb) * mscale
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def apply_rope(x, cos, sin, interleaved: bool):
+    """x [..., T, heads, dim] or [..., T, dim] with cos/sin [..., T, dim] broadcast over heads.
+
+    interleaved=True (Ling MLA): pairs (x[2i], x[2i+1]) are de-interleaved to
+    [x0, x2, ..., x1, x3, ...] first; the result stays in that order (q and k alike).
+    """
+    if interleaved:
+        d = x.shape[-1]
+        x = x.reshape(*x.shape[:-1], d // 2, 2).swapaxes(-1, -2).reshape(x.shape)
+    dtype = x.dtype
+    xf = x.astype(cos.dtype)
+    return (xf * cos + rotate_half(xf) * sin).astype(dtype)

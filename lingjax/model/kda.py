@@ -1,0 +1,93 @@
+"""Kimi Delta Attention layer (spec/kda.md): fused q/k/v/f/g projection, depthwise causal conv +
+SiLU on q/k/v, L2-normalised q/k, safe (or softplus) gate, beta, the delta-rule recurrence
+(chunked for T > 1, one step for T = 1), gated per-head RMSNorm, o_proj.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lingjax.cache import KDAState
+from lingjax.config import LingConfig
+from lingjax.model.common import acc_dtype, param, rms_norm
+from lingjax.ops import kda as kda_ops
+
+
+class KDAPending(NamedTuple):
+    """What committing an accepted prefix of a verified block needs (replay design, docs/ARCHITECTURE)."""
+    start: KDAState      # state and conv window before the block
+    k: jax.Array         # [B, T, H, K] normalised keys (acc dtype)
+    v: jax.Array         # [B, T, H, V]
+    g: jax.Array         # [B, T, H, K] log decay
+    beta: jax.Array      # [B, T, H]
+    conv_in: jax.Array   # [B, ks-1+T, 3, H, K] conv window followed by the block's projected inputs
+
+
+class KDA(nnx.Module):
+    def __init__(self, cfg: LingConfig, *, dtype, rngs):
+        d, h, k, ks = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
+        acc = acc_dtype(dtype)
+        self.cfg = cfg
+        # q, k, v, f, g projections fused: [D, 5, H, K]
+        self.w_in = param(rngs, (d, 5, h, k), ("embed", None, "heads", "head_dim"), dtype, std=d ** -0.5)
+        self.w_beta = param(rngs, (d, h), ("embed", "heads"), dtype, std=d ** -0.5)
+        self.conv = param(rngs, (ks, 3, h, k), (None, None, "heads", "head_dim"), dtype, std=ks ** -0.5)
+        self.A_log = param(rngs, (h,), ("heads",), acc, std=0.5)
+        self.dt_bias = param(rngs, (h, k), ("heads", "head_dim"), acc, std=0.5)
+        self.o_norm = param(None, (k,), (None,), dtype, init="ones")
+        self.w_out = param(rngs, (h, k, d), ("heads", "head_dim", "embed"), dtype, std=(h * k) ** -0.5)
+
+    def __call__(self, x, cache: KDAState, *, pending: bool = False):
+        """x [B, T, D] -> (y [B, T, D], new KDAState) or, with pending=True (speculative verify),
+        (y, KDAPending) leaving the state untouched until `commit_prefix` knows the accepted length."""
+        cfg = self.cfg
+        acc = acc_dtype(x.dtype)
+        b, t, _ = x.shape
+        w_in = self.w_in[...]
+        proj = jnp.einsum("btd,dchk->btchk", x.astype(w_in.dtype), w_in)   # [B, T, 5, H, K]
+        conv_in = jnp.concatenate([cache.conv, proj[:, :, :3]], axis=1)     # [B, ks-1+T, 3, H, K]
+        qkv = jax.nn.silu(causal_conv(conv_in, self.conv[...], t))
+        q = kda_ops.l2_normalize(qkv[:, :, 0])
+        k = kda_ops.l2_normalize(qkv[:, :, 1])
+        v = qkv[:, :, 2].astype(acc)
+        g = kda_ops.kda_gate(proj[:, :, 3], self.A_log[...], self.dt_bias[...].reshape(-1),
+                             safe_gate=cfg.kda_safe_gate, lower_bound=cfg.kda_lower_bound)
+        beta = jax.nn.sigmoid(jnp.dot(x.astype(acc), self.w_beta[...].astype(acc)))   # [B, T, H]
+        if t == 1 and not pending:
+            o, s = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state)
+            o = o[:, None]
+        else:
+            o, s = kda_ops.kda_chunked(q, k, v, g, beta, cache.state)
+        y = self._output(o, proj[:, :, 4], x.dtype)
+        if pending:
+            return y, KDAPending(cache, k, v, g, beta, conv_in)
+        ks = cfg.short_conv_kernel_size
+        return y, KDAState(s, conv_in[:, t:t + ks - 1] if ks > 1 else cache.conv)
+
+    def _output(self, o, gate, dtype):
+        """Gated per-head RMSNorm then o_proj: o [B, T, H, V] (acc), gate [B, T, H, K]."""
+        o = rms_norm(o, self.o_norm[...].astype(o.dtype), self.cfg.rms_norm_eps)
+        o = (o * jax.nn.sigmoid(gate.astype(o.dtype))).astype(dtype)
+        return jnp.einsum("bthk,hkd->btd", o, self.w_out[...])
+
+
+def causal_conv(window, w, t: int):
+    """Depthwise causal conv. window [B, ks-1+T, C...] (history then inputs), w [ks, C...] -> [B, T, C...].
+
+    y_t = sum_j w[j] * x_{t-ks+1+j}: output t reads window rows t .. t+ks-1.
+    """
+    ks = w.shape[0]
+    acc = acc_dtype(window.dtype)
+    out = sum(window[:, j:j + t].astype(acc) * w[j].astype(acc) for j in range(ks))
+    return out.astype(window.dtype)
+
+
+def commit_prefix(p: KDAPending, n) -> KDAState:
+    """State and conv window after the first n tokens of a pending block (n traced, 0 <= n <= T)."""
+    s = kda_ops.kda_state_after_prefix(p.start.state, p.k, p.v, p.g, p.beta, n)
+    ks1 = p.start.conv.shape[1]
+    conv = jax.lax.dynamic_slice_in_dim(p.conv_in, n, ks1, axis=1) if ks1 else p.start.conv
+    return KDAState(s, conv)

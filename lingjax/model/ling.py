@@ -1,0 +1,137 @@
+"""Ling-3.0 (BailingMoeV3) causal LM: composition of KDA / gated-MLA attention, dense MLP / MoE,
+the MTP (NEXTN) layer, final norm and the untied lm_head. One forward serves every mode:
+prefill (empty cache, any T), decode (T = 1) and extend / verify (T tokens from a non-empty cache).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lingjax.cache import LingCache, MLAState
+from lingjax.config import LingConfig
+from lingjax.model.common import RMSNorm, acc_dtype, param
+from lingjax.model.kda import KDA
+from lingjax.model.mla import GatedMLA
+from lingjax.model.mlp import DenseMLP, MoE
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: h += attn(norm(h)); h += mlp(norm(h))."""
+
+    def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs, kind: str | None = None):
+        self.kind = kind or ("mla" if cfg.is_mla_layer(layer) else "kda")
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.attn = (GatedMLA if self.kind == "mla" else KDA)(cfg, dtype=dtype, rngs=rngs)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, layer, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, h, cache, pos, *, pending: bool = False):
+        if self.kind == "mla":
+            a, cache = self.attn(self.input_norm(h), cache, pos)
+        else:
+            a, cache = self.attn(self.input_norm(h), cache, pending=pending)
+        h = h + a
+        return h + self.mlp(self.post_norm(h)), cache
+
+
+class MTPLayer(nnx.Module):
+    """NEXTN layer: x = eh_proj([enorm(embed(tok_{t+1})); hnorm(h_t)]) -> MLA+MoE block -> final norm."""
+
+    def __init__(self, cfg: LingConfig, *, dtype, rngs):
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.eh_proj = param(rngs, (2 * d, d), (None, "embed"), dtype, std=(2 * d) ** -0.5)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs, kind="mla")
+        self.final_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, h_final, next_embeds, cache: MLAState, pos):
+        """h_final [B, T, D] (main model after model.norm), next_embeds [B, T, D] -> (hidden, cache)."""
+        x = jnp.concatenate([self.enorm(next_embeds), self.hnorm(h_final)], axis=-1)
+        x = jnp.dot(x, self.eh_proj[...])
+        x, cache = self.block(x, cache, pos)
+        return self.final_norm(x), cache
+
+
+class ForwardOut(NamedTuple):
+    logits: jax.Array | None   # [B, T, V] or [B, 1, V] (last position) in acc dtype; None if not asked
+    hidden: jax.Array          # [B, T, D] after model.norm
+    taps: jax.Array | None     # [B, T, n_taps * D] residual streams after the tapped layers, concatenated
+    cache: LingCache           # updated cache (pos advanced by T unless pending)
+    pending: tuple | None      # per-layer KDAPending / None (verify mode), for `commit`
+
+
+class LingModel(nnx.Module):
+    def __init__(self, cfg: LingConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None, with_mtp: bool | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.cfg = cfg
+        self.dtype = dtype
+        d, v = cfg.hidden_size, cfg.vocab_size
+        self.embed = param(rngs, (v, d), ("vocab", "embed"), dtype, std=1.0)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = param(rngs, (d, v), ("embed", "vocab"), dtype, std=d ** -0.5)
+        if with_mtp is None:
+            with_mtp = cfg.num_nextn_predict_layers > 0
+        self.mtp = MTPLayer(cfg, dtype=dtype, rngs=rngs) if with_mtp else None
+
+    def embed_tokens(self, tokens):
+        return jnp.take(self.embed[...], tokens, axis=0)
+
+    def logits(self, hidden):
+        """hidden [..., D] (final-normed) -> fp32 (acc) logits [..., V]."""
+        acc = acc_dtype(hidden.dtype)
+        return jnp.dot(hidden, self.lm_head[...], preferred_element_type=acc)
+
+    def __call__(self, tokens, cache: LingCache, *, logits: str = "all", tap_layers: tuple[int, ...] = (),
+                 pending: bool = False, return_all_hidden: bool = False) -> ForwardOut:
+        """tokens [B, T] int32 at positions cache.pos .. cache.pos+T-1.
+
+        logits: 'all' | 'last' | 'none'. tap_layers: static layer ids whose output residual stream
+        is returned concatenated (DSpark context features). pending=True (verify): KDA states are
+        not advanced; `commit(cache, pending, n)` advances them by the accepted n tokens later.
+        return_all_hidden: taps become every layer's output stacked [L, B, T, D] (tests).
+        """
+        pos = cache.pos
+        h = self.embed_tokens(tokens)
+        new_layers, pend, taps = [], [], {}
+        for i, layer in enumerate(self.layers):
+            h, c = layer(h, cache.layers[i], pos, pending=pending)
+            if pending and layer.kind == "kda":
+                new_layers.append(cache.layers[i])
+                pend.append(c)
+            else:
+                new_layers.append(c)
+                pend.append(None)
+            if return_all_hidden or i in tap_layers:
+                taps[i] = h
+        hidden = self.norm(h)
+        out_logits = None
+        if logits == "all":
+            out_logits = self.logits(hidden)
+        elif logits == "last":
+            out_logits = self.logits(hidden[:, -1:])
+        if return_all_hidden:
+            tap_out = jnp.stack([taps[i] for i in range(len(self.layers))])
+        elif tap_layers:
+            tap_out = jnp.concatenate([taps[i] for i in tap_layers], axis=-1)
+        else:
+            tap_out = None
+        t = tokens.shape[1]
+        new_cache = LingCache(tuple(new_layers), cache.mtp, pos if pending else pos + t)
+        return ForwardOut(out_logits, hidden, tap_out, new_cache, tuple(pend) if pending else None)
+
+    def mtp_forward(self, hidden, next_tokens, cache: LingCache, pos=None):
+        """MTP hidden for positions pos..pos+T-1 given main final hidden [B, T, D] and the next
+        tokens [B, T]; writes the MTP attention cache. Returns (mtp_hidden [B, T, D], cache)."""
+        if self.mtp is None:
+            raise ValueError("this model was built without its MTP layer (num_nextn_predict_layers=0)")
+        pos = cache.pos if pos is None else pos
+        out, mtp_cache = self.mtp(hidden, self.embed_tokens(next_tokens), cache.mtp, pos)
+        return out, cache._replace(mtp=mtp_cache)

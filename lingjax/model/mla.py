@@ -1,0 +1,100 @@
+"""Gated multi-head latent attention (spec/ling3.md, MLA layers and the MTP block).
+
+The cache holds only kv_a_layernorm(latent) [S, 512] and the rotated rope key [S, 64]. For short
+query blocks (decode, verify) `kv_b_proj` is absorbed into the query / output side so the cache is
+never expanded; long blocks (prefill) expand k_nope / v per head, which is cheaper there.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lingjax.cache import MLAState
+from lingjax.config import LingConfig
+from lingjax.model.common import RMSNorm, acc_dtype, apply_rope, param, rope_cos_sin
+
+# Query blocks shorter than this use the absorbed form.
+ABSORB_MAX_TOKENS = 32
+
+
+class GatedMLA(nnx.Module):
+    def __init__(self, cfg: LingConfig, *, dtype, rngs):
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        nope, rope, vd, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.cfg = cfg
+        if cfg.q_lora_rank:
+            self.q_a = param(rngs, (d, cfg.q_lora_rank), ("embed", None), dtype, std=d ** -0.5)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype, logical=(None,))
+            self.q_b = param(rngs, (cfg.q_lora_rank, h, nope + rope), (None, "heads", None), dtype,
+                             std=cfg.q_lora_rank ** -0.5)
+        else:
+            self.q_proj = param(rngs, (d, h, nope + rope), ("embed", "heads", None), dtype, std=d ** -0.5)
+        self.kv_a = param(rngs, (d, lat + rope), ("embed", None), dtype, std=d ** -0.5)
+        self.kv_a_norm = RMSNorm(lat, cfg.rms_norm_eps, dtype=dtype, logical=(None,))
+        self.kv_b = param(rngs, (lat, h, nope + vd), (None, "heads", None), dtype, std=lat ** -0.5)
+        self.g_proj = param(rngs, (d, h), ("embed", "heads"), dtype, std=d ** -0.5)
+        self.dense = param(rngs, (h, vd, d), ("heads", None, "embed"), dtype, std=(h * vd) ** -0.5)
+
+    def __call__(self, x, cache: MLAState, pos):
+        """x [B, T, D] at positions pos..pos+T-1 (pos traced int32) -> (y [B, T, D], new MLAState).
+
+        The block's latent / rope key are written into the cache first; queries then attend to
+        every cached position <= their own.
+        """
+        cfg = self.cfg
+        nope, lat = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        b, t, _ = x.shape
+        acc = acc_dtype(x.dtype)
+        xw = x.astype(self.kv_a.dtype)
+        if cfg.q_lora_rank:
+            q = jnp.einsum("btr,rhe->bthe", self.q_a_norm(jnp.dot(xw, self.q_a[...])), self.q_b[...])
+        else:
+            q = jnp.einsum("btd,dhe->bthe", xw, self.q_proj[...])
+        c = jnp.dot(xw, self.kv_a[...])
+        latent = self.kv_a_norm(c[..., :lat])
+        positions = pos + jnp.arange(t, dtype=jnp.int32)
+        cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, acc)
+        q_nope = q[..., :nope]
+        q_rope = apply_rope(q[..., nope:], cos[:, None], sin[:, None], interleaved=cfg.rope_interleave)
+        k_rope = apply_rope(c[..., lat:], cos, sin, interleaved=cfg.rope_interleave)
+        cache = MLAState(
+            jax.lax.dynamic_update_slice_in_dim(cache.latent, latent.astype(cache.latent.dtype), pos, axis=1),
+            jax.lax.dynamic_update_slice_in_dim(cache.k_rope, k_rope.astype(cache.k_rope.dtype), pos, axis=1))
+        s_len = cache.latent.shape[1]
+        mask = jnp.arange(s_len)[None, :] <= positions[:, None]               # [T, S]
+        if t < ABSORB_MAX_TOKENS:
+            o = self._attend_absorbed(q_nope, q_rope, cache, mask)
+        else:
+            o = self._attend_expanded(q_nope, q_rope, cache, mask)
+        gate = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x.astype(acc), self.g_proj[...].astype(acc)))
+        o = (o.astype(acc) * gate[..., None]).astype(x.dtype)
+        return jnp.einsum("bthv,hvd->btd", o, self.dense[...]), cache
+
+    def _softmax(self, scores, mask):
+        scores = jnp.where(mask[None, None], scores * self.cfg.attention_scale, -jnp.inf)
+        return jax.nn.softmax(scores, axis=-1)
+
+    def _attend_expanded(self, q_nope, q_rope, cache: MLAState, mask):
+        """Naive MLA: k_nope, v = kv_b(latent) per head over the whole cache. Returns [B, T, H, V]."""
+        nope = self.cfg.qk_nope_head_dim
+        acc = acc_dtype(q_nope.dtype)
+        kv = jnp.einsum("bsl,lhe->bshe", cache.latent, self.kv_b[...])
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, preferred_element_type=acc)
+                  + jnp.einsum("bthr,bsr->bhts", q_rope, cache.k_rope, preferred_element_type=acc))
+        p = self._softmax(scores, mask)
+        return jnp.einsum("bhts,bshv->bthv", p.astype(v.dtype), v, preferred_element_type=acc)
+
+    def _attend_absorbed(self, q_nope, q_rope, cache: MLAState, mask):
+        """Absorbed MLA: q_lat = q_nope . W_uk, attend over latents, o = o_lat . W_uv. [B, T, H, V]."""
+        nope = self.cfg.qk_nope_head_dim
+        acc = acc_dtype(q_nope.dtype)
+        kv_b = self.kv_b[...]
+        q_lat = jnp.einsum("bthn,lhn->bthl", q_nope.astype(acc), kv_b[..., :nope].astype(acc))
+        lat = cache.latent
+        scores = (jnp.einsum("bthl,bsl->bhts", q_lat.astype(lat.dtype), lat, preferred_element_type=acc)
+                  + jnp.einsum("bthr,bsr->bhts", q_rope, cache.k_rope, preferred_element_type=acc))
+        p = self._softmax(scores, mask)
+        o_lat = jnp.einsum("bhts,bsl->bthl", p.astype(lat.dtype), lat, preferred_element_type=acc)
+        return jnp.einsum("bthl,lhv->bthv", o_lat, kv_b[..., nope:].astype(acc))

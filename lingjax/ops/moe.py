@@ -1,0 +1,116 @@
+"""Pure-XLA MoE reference ops: the group-limited sigmoid router and the routed-expert SwiGLU.
+
+Two exact expert paths: `experts_gather` (decode / verify: gathers each token's chosen experts)
+and `experts_sorted_blocks` (prefill: assignments sorted by expert into fixed-size blocks, one
+expert per block, scanned) — they compute the same function; `experts_dense` is the test oracle.
+Ties in top-k are broken towards the lower index (jax.lax.top_k).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lingjax.model.common import acc_dtype
+
+
+def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int,
+          norm_topk_prob: bool, routed_scaling_factor: float):
+    """Group-limited top-k routing (published BailingMoeV3 semantics).
+
+    x [N, D]; w_router [D, E]; expert_bias [E]. Returns (idx [N, k] int32, weight [N, k] acc).
+    logits in fp32; s = sigmoid(logits); selection uses s + bias: group score = sum of the
+    group's top-2 biased scores, keep `topk_group` groups, top-k biased scores inside them.
+    Combine weights are the unbiased s of the chosen experts (normalised if norm_topk_prob),
+    times routed_scaling_factor.
+    """
+    acc = acc_dtype(x.dtype)
+    logits = jnp.dot(x.astype(acc), w_router.astype(acc))
+    s = jax.nn.sigmoid(logits)
+    biased = s + expert_bias.astype(acc)
+    n, e = biased.shape
+    grouped = biased.reshape(n, n_group, e // n_group)
+    group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)                      # [N, G]
+    _, keep = jax.lax.top_k(group_score, topk_group)                        # [N, topk_group]
+    group_mask = jax.nn.one_hot(keep, n_group, dtype=jnp.bool_).any(axis=1)  # [N, G]
+    expert_mask = jnp.repeat(group_mask, e // n_group, axis=1)
+    masked = jnp.where(expert_mask, biased, -jnp.inf)
+    _, idx = jax.lax.top_k(masked, top_k)
+    w = jnp.take_along_axis(s, idx, axis=1)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return idx.astype(jnp.int32), w * routed_scaling_factor
+
+
+def swiglu(gate, up, limit: float | None):
+    """silu(gate) * up, with the optional vLLM/SGLang clamp silu(gate) <= L, up in [-L, L]."""
+    act = jax.nn.silu(gate)
+    if limit:
+        act = jnp.minimum(act, limit)
+        up = jnp.clip(up, -limit, limit)
+    return act * up
+
+
+def experts_gather(x, idx, weight, w_gate_up, w_down, limit=None):
+    """x [N, D], idx/weight [N, k], w_gate_up [E, D, 2, F], w_down [E, F, D] -> [N, D].
+
+    Reads only the chosen experts (per token). For small N (decode / verify).
+    """
+    gu = jnp.take(w_gate_up, idx, axis=0)                       # [N, k, D, 2, F]
+    h = jnp.einsum("nd,nkdcf->nkcf", x.astype(gu.dtype), gu)
+    act = swiglu(h[:, :, 0], h[:, :, 1], limit)
+    y = jnp.einsum("nkf,nkfd->nkd", act, jnp.take(w_down, idx, axis=0))
+    acc = acc_dtype(x.dtype)
+    return jnp.einsum("nkd,nk->nd", y.astype(acc), weight.astype(acc)).astype(x.dtype)
+
+
+def experts_sorted_blocks(x, idx, weight, w_gate_up, w_down, limit=None, block: int = 64):
+    """Same function as `experts_gather` for large N (prefill), without per-token weight copies.
+
+    The N*k assignments are sorted by expert and packed into blocks of `block` rows, each block
+    holding one expert's tokens (padded); a scan over the static upper bound of blocks
+    ceil(N*k/block) + E gathers one expert's weights per block. Unused blocks are skipped.
+    """
+    n, k = idx.shape
+    e = w_gate_up.shape[0]
+    a = n * k
+    flat_e = idx.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    se = flat_e[order]
+    st = (jnp.arange(a, dtype=jnp.int32) // k)[order]
+    sw = weight.reshape(-1)[order]
+    counts = jnp.bincount(flat_e, length=e)
+    starts = jnp.cumsum(counts) - counts                                   # unpadded group starts
+    pcounts = (counts + block - 1) // block * block
+    pstarts = jnp.cumsum(pcounts) - pcounts
+    slot = pstarts[se] + (jnp.arange(a) - starts[se])                      # padded slot of each row
+    n_blocks = -(-a // block) + e
+    p = n_blocks * block
+    slot_tok = jnp.zeros((p,), jnp.int32).at[slot].set(st)
+    slot_w = jnp.zeros((p,), sw.dtype).at[slot].set(sw)
+    block_expert = jnp.searchsorted(jnp.cumsum(pcounts), jnp.arange(n_blocks) * block, side="right")
+    used_blocks = pcounts.sum() // block
+    acc = acc_dtype(x.dtype)
+
+    def body(out, b):
+        def run(out):
+            ex = jnp.minimum(block_expert[b], e - 1)
+            toks = jax.lax.dynamic_slice_in_dim(slot_tok, b * block, block)
+            ws = jax.lax.dynamic_slice_in_dim(slot_w, b * block, block)
+            xb = x[toks].astype(w_gate_up.dtype)
+            h = jnp.einsum("td,dcf->tcf", xb, w_gate_up[ex])
+            y = jnp.dot(swiglu(h[:, 0], h[:, 1], limit), w_down[ex])
+            return out.at[toks].add(y.astype(acc) * ws[:, None].astype(acc))
+        return jax.lax.cond(b < used_blocks, run, lambda o: o, out), None
+
+    out, _ = jax.lax.scan(body, jnp.zeros((n, x.shape[-1]), acc), jnp.arange(n_blocks))
+    return out.astype(x.dtype)
+
+
+def experts_dense(x, idx, weight, w_gate_up, w_down, limit=None):
+    """Test oracle: run every expert on every token, combine with a dense [N, E] weight matrix."""
+    e = w_gate_up.shape[0]
+    acc = acc_dtype(x.dtype)
+    combine = jnp.zeros((x.shape[0], e), acc).at[jnp.arange(x.shape[0])[:, None], idx].add(weight.astype(acc))
+    h = jnp.einsum("nd,edcf->necf", x.astype(w_gate_up.dtype), w_gate_up)
+    y = jnp.einsum("nef,efd->ned", swiglu(h[:, :, 0], h[:, :, 1], limit), w_down)
+    return jnp.einsum("ned,ne->nd", y.astype(acc), combine).astype(x.dtype)

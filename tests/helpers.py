@@ -1,0 +1,44 @@
+"""Small helpers shared by tests: golden model loading (cached), relative error, random configs."""
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from conftest import LING_TINY
+from lingjax.config import LingConfig
+from lingjax.model.ling import LingModel
+from lingjax.weights import load_hf_model
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@functools.lru_cache(maxsize=None)
+def golden():
+    return dict(np.load(LING_TINY / "golden.npz"))
+
+
+@functools.lru_cache(maxsize=None)
+def golden_model(dtype_name: str) -> LingModel:
+    return load_hf_model(LING_TINY, dtype=jnp.dtype(dtype_name))
+
+
+def tiny_config(**overrides) -> LingConfig:
+    """The golden tiny config with overrides (random-config tests)."""
+    base = LingConfig.from_json(LING_TINY / "config.json")
+    return base.replace(**overrides)
+
+
+def random_model(cfg: LingConfig, dtype=jnp.float64, seed: int = 0, with_mtp=None) -> LingModel:
+    model = LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed), with_mtp=with_mtp)
+    # give expert_bias / A_log / dt_bias non-trivial values so routing and gates are exercised
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if path[-1] == "expert_bias":
+            var.set_value(jnp.asarray(rng.normal(0, 0.05, var.shape), var.dtype))
+    return model
