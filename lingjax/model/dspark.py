@@ -24,6 +24,7 @@ from flax import nnx
 
 from lingjax.dspark_config import DSparkConfig, DSparkConfigError
 from lingjax.model.common import Linear, RMSNorm, acc_dtype, apply_rope, param, rope_cos_sin
+from lingjax.sampling import filter_logits
 
 
 class DSparkCache(NamedTuple):
@@ -283,24 +284,6 @@ def block_token_ids(anchor_tokens, block_size: int, mask_token_id: int):
     a = jnp.asarray(anchor_tokens, jnp.int32)
     masks = jnp.full((a.shape[0], block_size - 1), mask_token_id, jnp.int32)
     return jnp.concatenate([a[:, None], masks], axis=1)
-
-
-def filter_logits(logits, top_k: int | None = None, top_p=None):
-    """Top-k (static int) then top-p (nucleus, float or traced) filtering: removed entries -> -inf.
-    Ties at the threshold are kept. top_p >= 1 keeps everything."""
-    neg = jnp.asarray(-jnp.inf, logits.dtype)
-    if top_k is not None and 0 < top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, neg, logits)
-    if top_p is not None:
-        srt = jnp.sort(logits, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(srt, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs                        # mass strictly above
-        keep = before < jnp.asarray(top_p, probs.dtype)
-        keep = keep.at[..., 0].set(True)
-        thresh = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < thresh, neg, logits)
-    return logits
 
 
 # ---- weights ------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from flax import nnx
 from lingjax.cache import LingCache, MLAState
 from lingjax.config import LingConfig
 from lingjax.model.common import RMSNorm, acc_dtype, param
-from lingjax.model.kda import KDA
+from lingjax.model.kda import KDA, commit_prefix
 from lingjax.model.mla import GatedMLA
 from lingjax.model.mlp import DenseMLP, MoE
 
@@ -135,3 +135,13 @@ class LingModel(nnx.Module):
         pos = cache.pos if pos is None else pos
         out, mtp_cache = self.mtp(hidden, self.embed_tokens(next_tokens), cache.mtp, pos)
         return out, cache._replace(mtp=mtp_cache)
+
+
+def commit(verified: LingCache, pending: tuple, n, start_pos) -> LingCache:
+    """Advance a verified block's cache by its accepted prefix of n tokens (n traced, >= 1).
+
+    verified: the cache returned by a pending forward (MLA entries already written; KDA layers
+    still at the block start); pending: its per-layer KDAPending (None for MLA layers).
+    """
+    layers = tuple(c if p is None else commit_prefix(p, n) for c, p in zip(verified.layers, pending))
+    return LingCache(layers, verified.mtp, (start_pos + n).astype(jnp.int32))
