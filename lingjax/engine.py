@@ -1,0 +1,208 @@
+"""The Engine: a loaded target (+ optional draft) and tokenizer, serving `generate` and `stream`.
+
+The CLI, the server and the benchmark all use it. Decoding runs on the device in chunks of
+`chunk_steps` speculative steps; while chunk k+1 runs, the host reads chunk k's tokens (JAX async
+dispatch), so streaming adds no host sync to the critical path. One request at a time (batch 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lingjax.model.ling import LingModel
+from lingjax.sampling import SamplingArrays, SamplingParams
+from lingjax.spec_decode import FINISH_LENGTH, FINISH_NAMES, FINISH_RUNNING, FINISH_STOP, Decoder, DraftOverride, SpecConfig
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given (the message says what to change)."""
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    tokens_per_s: float = 0.0        # decode speed after the first token
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accept_length: float = 0.0      # committed tokens per speculative step
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    stats: GenerationStats
+
+
+@dataclasses.dataclass
+class StreamChunk:
+    token_ids: list[int]     # new tokens since the last chunk
+    text: str                # new text since the last chunk ("" without a tokenizer)
+    result: GenerationResult | None = None   # set on the final chunk
+
+
+def _bucket(n: int) -> int:
+    """Round buffer sizes up to a power of two (>= 16) so few shapes get compiled."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+class Engine:
+    def __init__(self, target: LingModel, tokenizer=None, draft=None, *, spec: SpecConfig | None = None,
+                 chunk_steps: int = 16, max_context: int | None = None, extra_stop_ids: Sequence[int] = ()):
+        self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        self.cfg = target.cfg
+        self.spec = spec or SpecConfig("dspark" if draft is not None else "none")
+        self.chunk_steps = chunk_steps
+        self.max_context = min(max_context or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
+        ids = set(self.cfg.eos_token_ids) | set(extra_stop_ids)
+        if tokenizer is not None:
+            ids |= set(tokenizer.stop_token_ids)
+        self.stop_ids = tuple(sorted(ids))
+        self._decoders: dict = {}
+        self._logits_fn = None
+        self.decoder(self.spec, True)  # validates the spec / draft combination now, not per request
+
+    # ---- decoders -----------------------------------------------------------------------------
+    def decoder(self, spec: SpecConfig, greedy: bool, stop_sequences=()) -> Decoder:
+        key = (spec, greedy, tuple(stop_sequences))
+        if key not in self._decoders:
+            self._decoders[key] = Decoder(self.target, spec, draft=self.draft if spec.method == "dspark" else None,
+                                          stop_ids=self.stop_ids, stop_sequences=tuple(stop_sequences), greedy=greedy)
+        return self._decoders[key]
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer: pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("the prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"token id(s) {bad[:5]} out of range [0, {self.cfg.vocab_size})")
+        return ids
+
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, spec: SpecConfig) -> int:
+        room = self.max_context - prompt_len - spec.drafts - 2
+        if room < 1:
+            raise RequestError(f"prompt of {prompt_len} tokens leaves no room in the context of "
+                               f"{self.max_context} tokens (n_prompt_tokens={prompt_len}, n_ctx={self.max_context})")
+        if max_tokens is None:
+            return room
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_tokens > room:
+            raise RequestError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+                               f"{self.max_context} tokens (at most {room} new tokens fit)")
+        return max_tokens
+
+    # ---- generation ---------------------------------------------------------------------------
+    def stream(self, prompt: str | Sequence[int], *, sampling: SamplingParams = SamplingParams(),
+               max_tokens: int | None = None, stop: Sequence[str] = (), stop_token_sequences=(),
+               spec: SpecConfig | None = None, override: DraftOverride | None = None) -> Iterator[StreamChunk]:
+        """Yield StreamChunks as device chunks complete; the last one carries the result."""
+        t_start = time.perf_counter()
+        spec = spec or self.spec
+        ids = self.encode_prompt(prompt)
+        max_new = self.resolve_max_tokens(len(ids), max_tokens, spec)
+        dec = self.decoder(spec, sampling.greedy, stop_token_sequences)
+        samp = SamplingArrays.from_params(sampling)
+        cost = jnp.ones((len(spec.widths),), jnp.float32) if not hasattr(self, "step_cost") else self.step_cost(spec)
+        state = dec.prefill(dec.params, jnp.asarray([ids], jnp.int32), _bucket(max_new), jnp.int32(max_new),
+                            jax.random.key(sampling.seed), samp, cost)
+        detok = self.tokenizer.stream_decoder() if self.tokenizer else None
+        emitted, text, t_first = 0, "", None
+        finish = FINISH_RUNNING
+        while True:
+            if t_first is None:  # first token: read the prefill before compiling / enqueueing the loop
+                n_out, fin = int(state.n_out), int(state.finish)
+                t_first = time.perf_counter()
+                nxt = dec.run(dec.params, state, samp, override, max_steps=self.chunk_steps)
+            else:
+                nxt = dec.run(dec.params, state, samp, override, max_steps=self.chunk_steps)  # enqueued
+                n_out, fin = int(state.n_out), int(state.finish)                            # previous chunk
+            new = np.asarray(state.out[emitted:n_out]).tolist() if n_out > emitted else []
+            emitted = n_out
+            delta = "".join(detok.feed(t) for t in new) if detok else ""
+            text += delta
+            cut = _find_stop(text, stop, len(text) - len(delta))
+            if cut is not None:
+                delta = delta[: max(0, cut - (len(text) - len(delta)))]
+                text = text[:cut]
+                fin = FINISH_STOP
+            if fin != FINISH_RUNNING:
+                finish = fin
+                last = state
+                break
+            if new or delta:
+                yield StreamChunk(new, delta)
+            state = nxt
+        t_end = time.perf_counter()
+        if detok and cut is None:
+            tail = detok.flush()
+            delta += tail
+            text += tail
+        tokens = np.asarray(last.out[:n_out]).tolist()
+        steps = int(last.steps)
+        stats = GenerationStats(
+            ttft_s=t_first - t_start, total_s=t_end - t_start,
+            tokens_per_s=(len(tokens) - 1) / max(t_end - t_first, 1e-9) if len(tokens) > 1 else 0.0,
+            steps=steps, drafted=int(last.drafted), accepted=int(last.accepted),
+            accept_length=(int(last.accepted) + steps) / steps if steps else 0.0,
+            accepted_per_position=np.asarray(last.pos_accepted).tolist() if spec.drafts else [],
+            prompt_tokens=len(ids), completion_tokens=len(tokens))
+        result = GenerationResult(tokens, text if self.tokenizer else None, FINISH_NAMES[finish], stats)
+        yield StreamChunk(new, delta, result)
+
+    def generate(self, prompt, **kw) -> GenerationResult:
+        for chunk in self.stream(prompt, **kw):
+            if chunk.result is not None:
+                return chunk.result
+        raise AssertionError("stream ended without a result")
+
+    def prompt_logits(self, prompt: str | Sequence[int]) -> np.ndarray:
+        """float32 logits [T, V] of every prompt position (one prefill)."""
+        from lingjax.cache import init_cache
+        ids = self.encode_prompt(prompt)
+        if len(ids) > self.max_context:
+            raise RequestError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_context}")
+        if self._logits_fn is None:
+            graph, params = nnx.split(self.target)
+
+            def fn(params, t):
+                m = nnx.merge(graph, params)
+                return m(t, init_cache(m.cfg, 1, t.shape[1], m.dtype, with_mtp=False)).logits
+            self._logits_fn = (jax.jit(fn), params)
+        fn, params = self._logits_fn
+        return np.asarray(fn(params, jnp.asarray([ids], jnp.int32))[0], np.float32)
+
+
+def _find_stop(text: str, stops: Sequence[str], new_from: int) -> int | None:
+    """Index where the earliest stop string starting in the new part of `text` begins, or None."""
+    best = None
+    for s in stops:
+        if not s:
+            continue
+        i = text.find(s, max(0, new_from - len(s) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+__all__ = ["Engine", "GenerationResult", "GenerationStats", "RequestError", "StreamChunk",
+           "FINISH_STOP", "FINISH_LENGTH"]

@@ -1,0 +1,72 @@
+"""Build an Engine from paths: an HF or converted checkpoint (or the embedded default model), an
+optional DSpark draft, and the speculative settings. Shared by the CLI, the server and benchmarks."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from lingjax.engine import Engine
+from lingjax.spec_decode import SpecConfig
+
+DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "float64": jnp.float64}
+
+
+class LoadError(ValueError):
+    """A checkpoint or draft that cannot be loaded as asked; the message names the path and why."""
+
+
+def _log(msg: str, quiet: bool):
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def load_draft(path: str | Path, dtype):
+    from lingjax.checkpoint import is_converted_checkpoint, load_converted_draft
+    from lingjax.model.dspark import from_safetensors
+    path = Path(path)
+    if not path.is_dir():
+        raise LoadError(f"draft directory {path} does not exist")
+    if is_converted_checkpoint(path):
+        return load_converted_draft(path, dtype)
+    return from_safetensors(path, dtype=dtype)
+
+
+def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None = None, *, dtype: str = "bfloat16",
+                spec: str | None = None, block_size: int | None = None, verify_policy: str = "fixed",
+                chunk_steps: int = 16, max_context: int | None = None, quiet: bool = False) -> Engine:
+    """checkpoint None = the embedded default model (and its draft unless `draft` is given)."""
+    if dtype not in DTYPES:
+        raise LoadError(f"unknown dtype {dtype!r}; choose from bfloat16, float32, float64")
+    jdtype = DTYPES[dtype]
+    t0 = time.perf_counter()
+    tokenizer, target, drafter = None, None, None
+    if checkpoint is None:
+        from lingjax.embedded.load import load_embedded
+        _log("loading the embedded default model ...", quiet)
+        target, drafter, tokenizer = load_embedded(jdtype)
+    else:
+        from lingjax.checkpoint import load_model
+        path = Path(checkpoint)
+        if not path.is_dir():
+            raise LoadError(f"checkpoint directory {path} does not exist")
+        _log(f"loading {path} ({dtype}) ...", quiet)
+        target = load_model(path, jdtype)
+        if (path / "tokenizer.json").exists():
+            from lingjax.tokenizer import load_tokenizer
+            tokenizer = load_tokenizer(path)
+    if draft is not None:
+        _log(f"loading draft {draft} ...", quiet)
+        drafter = load_draft(draft, jdtype)
+    method = spec or ("dspark" if drafter is not None else "none")
+    if method == "dspark" and drafter is None:
+        raise LoadError("--spec dspark needs a draft: pass --draft DIR (DSpark checkpoint)")
+    default_block = drafter.cfg.block_size if (method == "dspark" and drafter is not None) else 3
+    spec_cfg = SpecConfig(method, block_size or default_block, verify_policy)
+    engine = Engine(target, tokenizer, drafter if method == "dspark" else None, spec=spec_cfg,
+                    chunk_steps=chunk_steps, max_context=max_context)
+    _log(f"loaded in {time.perf_counter() - t0:.1f}s (spec={method}, block={spec_cfg.block_size}, "
+         f"policy={verify_policy})", quiet)
+    return engine
