@@ -72,6 +72,9 @@ class DraftOverride(NamedTuple):
     draft number pattern[i]+1 is made wrong so exactly pattern[i] are accepted (greedy)."""
     oracle: jax.Array    # [L] int32, absolute positions (prompt followed by the target's greedy output)
     pattern: jax.Array   # [S] int32
+    force: jax.Array | bool = False  # True: accept min(pattern, n) drafts and commit oracle tokens
+    #   whatever the target says (benchmarks on random bf16 weights, where T=1 and T=9 passes can
+    #   round differently and flip a near-tie argmax). False: acceptance is decided by the target.
 
 
 class DecodeState(NamedTuple):
@@ -184,7 +187,7 @@ class Decoder:
             q = None
         widx = self._choose_width(s, conf)
         branches = [lambda op, n=n: self._verify_commit(target, draft, op, n, samp) for n in self.spec.widths]
-        operand = (s, drafts, q, k_acc)
+        operand = (s, drafts, q, k_acc, override)
         s, n, a, committed = jax.lax.switch(widx, branches, operand) if len(branches) > 1 else branches[0](operand)
         nb = self.spec.drafts
         s = s._replace(
@@ -225,7 +228,7 @@ class Decoder:
 
     def _verify_commit(self, target, draft, operand, n: int, samp):
         """Verify [anchor, d_1..d_n] (static n), accept, commit. Returns (state, n, a, committed [B+1])."""
-        s, drafts, q, key = operand
+        s, drafts, q, key, override = operand
         p = s.cache.pos
         tokens = jnp.concatenate([s.anchor[None], drafts[:n]])[None]
         out = target(tokens, s.cache, logits="all", tap_layers=self.tap_layers, pending=True)
@@ -234,6 +237,12 @@ class Decoder:
             a, bonus = sampling.accept_greedy(logits, drafts[:n], n)
         else:
             a, bonus = sampling.accept_sample(key, logits, drafts[:n], None if q is None else q[:n], n, samp)
+        if override is not None:
+            k = override.pattern[s.steps % override.pattern.shape[0]]
+            fa = jnp.where(k < 0, n, jnp.minimum(k, n)).astype(jnp.int32)
+            fb = jax.lax.dynamic_index_in_dim(override.oracle, p + 1 + fa, keepdims=False)
+            force = jnp.asarray(override.force)
+            a, bonus = jnp.where(force, fa, a), jnp.where(force, fb, bonus)
         cache = commit(out.cache, out.pending, a + 1, p)
         b = self.spec.drafts
         padded = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)])
