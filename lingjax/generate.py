@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
+    if args.dtype != "bfloat16":  # float32 means float32: no TF32 matmuls on GPU
+        jax.config.update("jax_default_matmul_precision", "highest")
     from lingjax.engine import RequestError
     from lingjax.loader import LoadError, load_engine
     from lingjax.sampling import SamplingParams

@@ -126,8 +126,8 @@ class Decoder:
             stops[i, stops.shape[1] - len(s):] = s
         self._stop_seqs = stops if self.stop_sequences else None
         self.prefill = jax.jit(self._prefill, static_argnames=("max_new",))
-        donate = ("state",) if jax.default_backend() != "cpu" else ()
-        self.run = jax.jit(self._run, static_argnames=("max_steps",), donate_argnames=donate)
+        # No buffer donation: the engine reads chunk k while chunk k+1 (fed from it) runs.
+        self.run = jax.jit(self._run, static_argnames=("max_steps",))
 
     # ---- prefill ------------------------------------------------------------------------------
     def _prefill(self, params, prompt, max_new: int, limit, key, samp, step_cost):
