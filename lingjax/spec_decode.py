@@ -127,7 +127,7 @@ class Decoder:
         self._stop_seqs = stops if self.stop_sequences else None
         self.prefill = jax.jit(self._prefill, static_argnames=("max_new",))
         # No buffer donation: the engine reads chunk k while chunk k+1 (fed from it) runs.
-        self.run = jax.jit(self._run, static_argnames=("max_steps",))
+        self.run = jax.jit(self._run)
 
     # ---- prefill ------------------------------------------------------------------------------
     def _prefill(self, params, prompt, max_new: int, limit, key, samp, step_cost):
@@ -157,8 +157,8 @@ class Decoder:
         return self._check_stop(state, first[None], jnp.int32(1), jnp.int32(0))
 
     # ---- the loop -----------------------------------------------------------------------------
-    def _run(self, params, state: DecodeState, samp, override, max_steps: int):
-        """Run up to max_steps speculative steps (fewer if the request finishes)."""
+    def _run(self, params, state: DecodeState, samp, override, max_steps):
+        """Run up to max_steps (traced int) speculative steps (fewer if the request finishes)."""
         def cond(c):
             s, i = c
             return (s.finish == FINISH_RUNNING) & (i < max_steps)
