@@ -220,6 +220,8 @@ def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
         return None
     if kind != "yarn":
         raise ConfigError(f"rope_scaling type {kind!r} is not supported (only 'yarn' or none)")
+    if "original_max_position_embeddings" not in rs:
+        raise ConfigError("rope_scaling (yarn) needs original_max_position_embeddings")
     fields = {f.name for f in dataclasses.fields(RopeScaling)}
     return RopeScaling(**{k: v for k, v in rs.items() if k in fields and k != "type"})
 

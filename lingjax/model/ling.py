@@ -98,7 +98,9 @@ class LingModel(nnx.Module):
         not advanced; `commit(cache, pending, n)` advances them by the accepted n tokens later.
         return_all_hidden: taps become every layer's output stacked [L, B, T, D] (tests).
         """
-        pos = cache.pos
+        if tokens.shape[1] > cache.max_len:
+            raise ValueError(f"{tokens.shape[1]} tokens do not fit a cache of {cache.max_len} positions")
+        pos = cache.pos  # callers keep pos + T <= cache.max_len (the engine sizes caches per request)
         h = self.embed_tokens(tokens)
         new_layers, pend, taps = [], [], {}
         for i, layer in enumerate(self.layers):
