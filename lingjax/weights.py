@@ -181,4 +181,12 @@ def load_hf_model(directory: str | Path, dtype=jnp.bfloat16, *, with_mtp: bool |
     if with_mtp is None:
         with_mtp = cfg.num_nextn_predict_layers > 0 and f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" in reader
     abstract = nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, with_mtp=with_mtp))
-    return load_hf_params(abstract, reader, progress=progress)
+    return load_hf_params(abstract, reader, progress=progress, fp8_block=fp8_block_size(directory))
+
+
+def fp8_block_size(directory: str | Path) -> tuple[int, int]:
+    """quantization_config.weight_block_size of an HF config.json (default 128 x 128)."""
+    import json
+    d = json.loads((Path(directory) / "config.json").read_text())
+    block = (d.get("quantization_config") or {}).get("weight_block_size") or [128, 128]
+    return int(block[0]), int(block[1])

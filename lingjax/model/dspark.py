@@ -287,7 +287,7 @@ def block_token_ids(anchor_tokens, block_size: int, mask_token_id: int):
 
 
 # ---- weights ------------------------------------------------------------------------------------
-def _weight_map(model: DSparkDraft) -> dict[str, tuple[nnx.Param, str]]:
+def draft_weight_map(model: DSparkDraft) -> dict[str, tuple[nnx.Param, str]]:
     """Published name -> (param, how): 'T' transpose [out,in]->[in,out]; 'o' o_proj to [h,d,e];
     'qkv' [h*d, e] -> [e, h, d]; '' as is."""
     m: dict[str, tuple[nnx.Param, str]] = {
@@ -336,7 +336,7 @@ def load_dspark_weights(model: DSparkDraft, tensors: Mapping[str, np.ndarray], *
         if short in names:
             raise DSparkConfigError(f"tensor {short!r} given twice (with and without the 'model.' prefix)")
         names[short] = k
-    wmap = _weight_map(model)
+    wmap = draft_weight_map(model)
     missing = [n for n in wmap if n not in names]
     if missing:
         raise DSparkConfigError(f"DSpark checkpoint lacks {len(missing)} tensor(s): {', '.join(missing[:8])}"

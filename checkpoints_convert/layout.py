@@ -1,0 +1,103 @@
+"""How each stored parameter relates to its published source tensors.
+
+A `Matrix` parameter is made of published [out, in] weights, each transposed to [in, out], stacked
+along `stack` axes (fused q/k/v/f/g, gate/up, experts) and with in/out split over several axes
+(heads). The same description is the fp8 *matrix view* (see lingjax/checkpoint.py): it says how
+the published block scales line up with the stored array, and which source shapes to expect.
+`Vector` parameters are the source itself (or its flattening); `Conv` is the KDA conv stack.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Matrix:
+    stack: tuple[int, ...]
+    in_: tuple[int, ...]
+    out: tuple[int, ...]
+
+    def n_sources(self, shape) -> int:
+        return math.prod(shape[a] for a in self.stack)
+
+    def source_shape(self, shape) -> tuple[int, ...]:
+        return (math.prod(shape[a] for a in self.out), math.prod(shape[a] for a in self.in_))
+
+    def build(self, shape, *sources) -> np.ndarray:
+        """Sources [OUT, IN] (row-major over the stack axes) -> the stored array of `shape`."""
+        perm = self.stack + self.in_ + self.out
+        stacked = np.stack([s.T for s in sources]).reshape([shape[a] for a in perm])
+        return np.ascontiguousarray(np.transpose(stacked, np.argsort(perm)))
+
+    def scales(self, shape, *scale_invs) -> np.ndarray:
+        """Published per-source scales [ceil(OUT/b), ceil(IN/b)] -> [*stack_dims, IN blocks, OUT blocks]."""
+        dims = [shape[a] for a in self.stack]
+        return np.ascontiguousarray(np.stack([s.T for s in scale_invs]).reshape(*dims, *scale_invs[0].T.shape),
+                                    dtype=np.float32)
+
+    def meta(self) -> dict:
+        return {"stack": list(self.stack), "in": list(self.in_), "out": list(self.out)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Vector:
+    flat: bool = False
+
+    def n_sources(self, shape) -> int:
+        return 1
+
+    def source_shape(self, shape) -> tuple[int, ...]:
+        return (math.prod(shape),) if self.flat else tuple(shape)
+
+    def build(self, shape, source) -> np.ndarray:
+        return source.reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Conv:
+    """KDA depthwise conv: sources [C, 1, K] (q, k, v) -> stored [K, 3, heads, head_dim]."""
+
+    def n_sources(self, shape) -> int:
+        return shape[1]
+
+    def source_shape(self, shape) -> tuple[int, ...]:
+        return (math.prod(shape[2:]), 1, shape[0])
+
+    def build(self, shape, *sources) -> np.ndarray:
+        return np.stack([w[:, 0, :].T for w in sources], axis=1).reshape(shape)
+
+
+_M_IO = Matrix((), (0,), (1,))
+_M_I_OO = Matrix((), (0,), (1, 2))
+_M_II_O = Matrix((), (0, 1), (2,))
+
+# Ling parameters by leaf name (and rank where one name has two layouts).
+_LING = {
+    "embed": Vector(), "weight": Vector(), "o_norm": Vector(), "A_log": Vector(), "expert_bias": Vector(),
+    "dt_bias": Vector(flat=True), "conv": Conv(),
+    "lm_head": _M_IO, "router": _M_IO, "w_beta": _M_IO, "kv_a": _M_IO, "g_proj": _M_IO, "q_a": _M_IO,
+    "eh_proj": _M_IO,
+    "kv_b": _M_I_OO, "q_proj": _M_I_OO, "q_b": _M_I_OO,
+    "dense": _M_II_O, "w_out": _M_II_O,
+    "w_in": Matrix((1,), (0,), (2, 3)),
+    ("w_gate_up", 3): Matrix((1,), (0,), (2,)), ("w_gate_up", 4): Matrix((0, 2), (1,), (3,)),
+    ("w_down", 2): _M_IO, ("w_down", 3): Matrix((0,), (1,), (2,)),
+}
+# Stay in high precision whatever --dtype says (spec/ling3.md): never quantised to fp8.
+LING_HIGH_PRECISION = {"embed", "lm_head", "router", "weight", "o_norm", "A_log", "expert_bias", "dt_bias", "conv"}
+
+
+def ling_layout(path: tuple, shape) -> Matrix | Vector | Conv:
+    leaf = path[-1]
+    layout = _LING.get((leaf, len(shape)), _LING.get(leaf))
+    if layout is None:
+        raise KeyError(f"no layout for parameter {'.'.join(map(str, path))}")
+    return layout
+
+
+# DSpark drafts: lingjax.model.dspark's weight map tags each tensor with how it is transformed.
+DRAFT_LAYOUTS = {"T": _M_IO, "qkv": _M_I_OO, "o": _M_II_O, "": Vector()}
+DRAFT_HIGH_PRECISION = {"markov_head.markov_w2.weight", "confidence_head.proj.weight"}

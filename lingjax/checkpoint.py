@@ -1,0 +1,271 @@
+"""Load checkpoints written by `python -m checkpoints_convert` (and dispatch HF vs converted dirs).
+
+Layout of a converted checkpoint directory (format `lingjax-converted`, version 1):
+
+    manifest.json     format, kind ('ling' | 'dspark'), dtype policy, source, every parameter
+                      (path, shape, stored dtype, part, fp8 layout) and every part's checksum
+    config.json       the source config.json, verbatim
+    tokenizer files   tokenizer.json, tokenizer_config.json, chat_template.jinja, ... (if present)
+    params/<part>/    one orbax PyTree checkpoint per part (zarr v2, uncompressed, no OCDBT):
+                      a part holds consecutive parameters of one layer (or of the top level),
+                      keyed by the dotted parameter path, e.g. `layers.3.attn.kv_b`
+
+Arrays are stored in the model's own layout (`lingjax.weights.plan_for`: [in, out], fused, stacked)
+and chunked, so a restore with target shardings reads only each device's shard.
+
+FP8 parameters store `key` (float8_e4m3fn values, same shape as the parameter) and
+`key_scale_inv` (float32). The scales follow the parameter's *matrix view*, recorded in the
+manifest as `fp8 = {stack, in, out, block}` (axis lists of the stored array): permute the values to
+(stack axes, in axes, out axes) and flatten to [*stack_dims, IN, OUT]; `scale_inv` is
+[*stack_dims, ceil(IN/block[0]), ceil(OUT/block[1])] and multiplies each block of that view. Each
+[IN, OUT] matrix is one published [out, in] weight transposed, so its scales are the published
+`weight_scale_inv` transposed. Until fp8 kernels exist, loading dequantises (float32 product, then
+a cast) to the requested dtype: the model has no fp8 parameters yet.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+FORMAT = "lingjax-converted"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PARAMS_DIR = "params"
+SCALE_SUFFIX = "_scale_inv"
+
+
+class ConvertedCheckpointError(ValueError):
+    """A converted checkpoint that is missing, incomplete, of another version or another model."""
+
+
+# ---- format helpers (shared with the converter) -------------------------------------------------
+def param_key(path: tuple) -> str:
+    """('layers', 3, 'attn', 'kv_b') -> 'layers.3.attn.kv_b' (the orbax tree key)."""
+    return ".".join(str(p) for p in path)
+
+
+def orbax_handler(type_handler_registry=None):
+    """The orbax handler both the writer and the reader use (zarr v2 without OCDBT or compression:
+    deterministic file names and bytes, chunks a sharded restore can read independently)."""
+    import orbax.checkpoint as ocp
+    kw = {"type_handler_registry": type_handler_registry} if type_handler_registry is not None else {}
+    return ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False, use_compression=False, **kw)
+
+
+def hash_dir(directory: str | Path) -> dict[str, Any]:
+    """Deterministic checksum of every file under `directory`: sha256 over sorted
+    `relative/path <NUL> sha256(file)` lines (files hashed in parallel threads; hashlib releases
+    the GIL). Returns {'sha256', 'bytes', 'files'}."""
+    from concurrent.futures import ThreadPoolExecutor
+    directory = Path(directory)
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(hash_file, files))
+    outer = hashlib.sha256()
+    for f, (digest, _) in zip(files, digests):
+        outer.update(f"{f.relative_to(directory).as_posix()}\0{digest}\n".encode())
+    return {"sha256": outer.hexdigest(), "bytes": sum(n for _, n in digests), "files": len(files)}
+
+
+def hash_file(path: Path) -> tuple[str, int]:
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise ConvertedCheckpointError(f"{directory} is not a converted checkpoint (no {MANIFEST})")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConvertedCheckpointError(f"{path} is corrupt ({e})") from e
+    if m.get("format") != FORMAT:
+        raise ConvertedCheckpointError(f"{path}: format {m.get('format')!r} is not {FORMAT!r}")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise ConvertedCheckpointError(f"{path}: format version {m.get('format_version')} is not supported "
+                                       f"(this lingjax reads version {FORMAT_VERSION}); reconvert the checkpoint")
+    return m
+
+
+def is_converted_checkpoint(directory: str | Path) -> bool:
+    """True for a complete converted checkpoint (its manifest is written last, just before the
+    atomic rename, so a partial conversion never qualifies)."""
+    try:
+        read_manifest(directory)
+        return True
+    except ConvertedCheckpointError:
+        return False
+
+
+def dequantize_fp8(values, scale_inv, fp8: Mapping[str, Any], dtype, xp=jnp):
+    """Stored fp8 `values` + `scale_inv` (matrix view `fp8`, see the module docstring) -> `dtype`.
+    The product is taken in float32, as the published `w = w_fp8 * scale_inv` reference does.
+    xp: jax.numpy (traceable, keeps shardings under jit) or numpy (host, no compilation)."""
+    stack, in_, out = tuple(fp8["stack"]), tuple(fp8["in"]), tuple(fp8["out"])
+    b_in, b_out = fp8["block"]
+    shape = values.shape
+    perm = stack + in_ + out
+    s_dims = [shape[a] for a in stack]
+    n_in = math.prod(shape[a] for a in in_)
+    n_out = math.prod(shape[a] for a in out)
+    v = xp.transpose(values, perm).astype(np.float32).reshape(*s_dims, n_in, n_out)
+    s = xp.repeat(xp.repeat(scale_inv.astype(np.float32), b_in, axis=-2), b_out, axis=-1)
+    w = v * s[..., :n_in, :n_out]
+    w = w.reshape([shape[a] for a in perm])
+    return xp.transpose(w, tuple(int(i) for i in np.argsort(perm))).astype(dtype)
+
+
+# ---- restore --------------------------------------------------------------------------------------
+def _replicated_like(sharding):
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
+
+
+@functools.lru_cache(maxsize=None)
+def _dequant_fn(view: tuple, dtype, sharding):
+    stack, in_, out, block = view
+    fp8 = {"stack": stack, "in": in_, "out": out, "block": block}
+    return jax.jit(lambda v, s: dequantize_fp8(v, s, fp8, dtype), out_shardings=sharding)
+
+
+def _restore_part(part_dir: Path, entries: dict[str, tuple[tuple, Any, Any]]) -> dict[str, Any]:
+    """entries: key -> (shape, dtype, sharding or None). With a sharding the array is read as a
+    jax.Array with that sharding (each device reads its shard; orbax casts to `dtype`); with None
+    as a host numpy array in the stored dtype."""
+    import orbax.checkpoint as ocp
+    item, args = {}, {}
+    for k, (shape, dtype, sh) in entries.items():
+        if sh is None:
+            item[k], args[k] = np.empty(0), ocp.RestoreArgs(restore_type=np.ndarray)
+        else:
+            item[k] = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sh)
+            args[k] = ocp.ArrayRestoreArgs(sharding=sh, global_shape=tuple(shape), dtype=jnp.dtype(dtype))
+    return orbax_handler().restore(part_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
+                                                                        partial_restore=True))
+
+
+def _fill(abstract: nnx.Module, directory: Path, manifest: dict, shardings) -> nnx.Module:
+    """Restore every manifest parameter into the abstract module's variables, part by part.
+
+    A parameter with a sharding in `shardings` is read shard-wise onto its devices (fp8:
+    dequantised there under jit). Any other one is read on the host and converted with numpy,
+    then placed like the direct HF loader does (`jnp.asarray`), so both give identical arrays.
+    """
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    by_key = {param_key(p): p for p in flat}
+    params = manifest["params"]
+    missing = sorted(set(by_key) - set(params))
+    extra = sorted(set(params) - set(by_key))
+    if missing or extra:
+        raise ConvertedCheckpointError(
+            f"{directory}: checkpoint does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+    parts: dict[str, list[str]] = {}
+    for key, meta in params.items():
+        parts.setdefault(meta["part"], []).append(key)
+    for part, keys in parts.items():
+        entries, targets = {}, {}
+        for key in keys:
+            meta, want = params[key], flat[by_key[key]].get_value()
+            if tuple(meta["shape"]) != tuple(want.shape):
+                raise ConvertedCheckpointError(f"{directory}: {key} has shape {tuple(meta['shape'])}, the model "
+                                               f"expects {tuple(want.shape)} (converted for another config?)")
+            sh = (shardings or {}).get(by_key[key])
+            targets[key] = (sh, want.dtype)
+            fp8 = meta.get("fp8")
+            entries[key] = (meta["shape"], meta["dtype"] if fp8 else want.dtype, sh)
+            if fp8:
+                entries[key + SCALE_SUFFIX] = (fp8["scale_shape"], "float32", None if sh is None else _replicated_like(sh))
+        arrays = _restore_part(directory / PARAMS_DIR / part, entries)
+        for key in keys:
+            sh, dtype = targets[key]
+            arr, fp8 = arrays.pop(key), params[key].get("fp8")
+            if fp8:
+                scale = arrays.pop(key + SCALE_SUFFIX)
+                if sh is None:
+                    arr = dequantize_fp8(arr, scale, fp8, dtype, xp=np)
+                else:
+                    view = (tuple(fp8["stack"]), tuple(fp8["in"]), tuple(fp8["out"]), tuple(fp8["block"]))
+                    arr = _dequant_fn(view, jnp.dtype(dtype), sh)(arr, scale)
+            if sh is None:
+                arr = jnp.asarray(np.asarray(arr).astype(dtype, copy=False))
+            flat[by_key[key]].set_value(arr)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _open(directory, kind: str) -> tuple[Path, dict]:
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest.get("kind") != kind:
+        raise ConvertedCheckpointError(f"{directory} holds a converted {manifest.get('kind')!r} checkpoint, "
+                                       f"not {kind!r}")
+    return directory, manifest
+
+
+def load_converted(directory, dtype=None, *, shardings: Mapping[tuple, Any] | None = None):
+    """LingModel from a converted checkpoint, restored into an `nnx.eval_shape` abstract model.
+
+    dtype: model dtype (default: the manifest's `default_dtype`). shardings: optional
+    {param path tuple: jax.sharding.Sharding}; each array is restored directly with that sharding
+    (each device reads only its shard). fp8 parameters are dequantised to `dtype` on load.
+    """
+    from lingjax.config import LingConfig
+    from lingjax.model.ling import LingModel
+    directory, manifest = _open(directory, "ling")
+    cfg = LingConfig.from_json(directory / "config.json")
+    dtype = jnp.dtype(manifest["default_dtype"] if dtype is None else dtype)
+    abstract = nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, with_mtp=manifest["with_mtp"]))
+    return _fill(abstract, directory, manifest, shardings)
+
+
+def load_converted_draft(directory, dtype=None, *, shardings: Mapping[tuple, Any] | None = None):
+    """DSparkDraft from a converted draft checkpoint (`--draft`); same arguments as load_converted."""
+    from lingjax.dspark_config import DSparkConfig
+    from lingjax.model.dspark import DSparkDraft
+    directory, manifest = _open(directory, "dspark")
+    cfg = DSparkConfig.from_json(directory / "config.json")
+    dtype = jnp.dtype(manifest["default_dtype"] if dtype is None else dtype)
+    abstract = nnx.eval_shape(lambda: DSparkDraft(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    return _fill(abstract, directory, manifest, shardings)
+
+
+def load_model(directory, dtype=None, *, shardings: Mapping[tuple, Any] | None = None, with_mtp: bool | None = None):
+    """LingModel from either a converted checkpoint or a Hugging Face checkpoint directory.
+
+    HF directories default to bfloat16 and read the fp8 block size from the config's
+    `quantization_config.weight_block_size` (default 128x128); `with_mtp` applies to HF directories
+    only (a converted checkpoint has the MTP layer iff it was converted with one).
+    """
+    if is_converted_checkpoint(directory):
+        return load_converted(directory, dtype, shardings=shardings)
+    from lingjax.config import LingConfig
+    from lingjax.model.ling import LingModel
+    from lingjax.safetensors_io import CheckpointReader
+    from lingjax.weights import load_hf_params
+    directory = Path(directory)
+    raw = json.loads((directory / "config.json").read_text())
+    cfg = LingConfig.from_dict(raw)
+    block = (raw.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
+    reader = CheckpointReader(directory)
+    if with_mtp is None:
+        with_mtp = (cfg.num_nextn_predict_layers > 0
+                    and f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" in reader)
+    dtype = jnp.dtype(jnp.bfloat16 if dtype is None else dtype)
+    abstract = nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, with_mtp=with_mtp))
+    return load_hf_params(abstract, reader, shardings=shardings, fp8_block=tuple(block))
