@@ -36,7 +36,7 @@ fi
 stamp="$venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
-  "$venv/bin/python" -m pip install -q -e ".[test,serve]" >&2
+  "$venv/bin/python" -m pip install -q -e ".[test,serve,train]" >&2
   rm -f "$venv"/.installed-*; touch "$stamp"
 fi
 
