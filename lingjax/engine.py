@@ -114,8 +114,12 @@ class Engine:
     # ---- generation ---------------------------------------------------------------------------
     def stream(self, prompt: str | Sequence[int], *, sampling: SamplingParams = SamplingParams(),
                max_tokens: int | None = None, stop: Sequence[str] = (), stop_token_sequences=(),
-               spec: SpecConfig | None = None, override: DraftOverride | None = None) -> Iterator[StreamChunk]:
-        """Yield StreamChunks as device chunks complete; the last one carries the result."""
+               spec: SpecConfig | None = None, override: DraftOverride | None = None,
+               chunk_steps: int | None = None) -> Iterator[StreamChunk]:
+        """Yield StreamChunks as device chunks complete; the last one carries the result.
+
+        chunk_steps: speculative steps per device call (default: the engine's)."""
+        chunk_steps = chunk_steps or self.chunk_steps
         t_start = time.perf_counter()
         spec = spec or self.spec
         ids = self.encode_prompt(prompt)
@@ -132,9 +136,9 @@ class Engine:
             if t_first is None:  # first token: read the prefill before compiling / enqueueing the loop
                 n_out, fin = int(state.n_out), int(state.finish)
                 t_first = time.perf_counter()
-                nxt = dec.run(dec.params, state, samp, override, max_steps=self.chunk_steps)
+                nxt = dec.run(dec.params, state, samp, override, max_steps=chunk_steps)
             else:
-                nxt = dec.run(dec.params, state, samp, override, max_steps=self.chunk_steps)  # enqueued
+                nxt = dec.run(dec.params, state, samp, override, max_steps=chunk_steps)  # enqueued
                 n_out, fin = int(state.n_out), int(state.finish)                            # previous chunk
             new = np.asarray(state.out[emitted:n_out]).tolist() if n_out > emitted else []
             emitted = n_out
@@ -170,6 +174,9 @@ class Engine:
         yield StreamChunk(new, delta, result)
 
     def generate(self, prompt, **kw) -> GenerationResult:
+        """Non-streaming: without stop strings the whole request is one device call."""
+        if not kw.get("stop") and "chunk_steps" not in kw:
+            kw["chunk_steps"] = 1 << 30
         for chunk in self.stream(prompt, **kw):
             if chunk.result is not None:
                 return chunk.result

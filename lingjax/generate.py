@@ -11,7 +11,7 @@ import sys
 
 from lingjax import xla_env
 
-DEFAULT_PROMPT = "def fibonacci(n):\n    "
+DEFAULT_PROMPT = "import os\n\n\ndef read_config(path):\n"
 
 
 def build_parser() -> argparse.ArgumentParser:

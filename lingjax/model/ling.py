@@ -103,6 +103,8 @@ class LingModel(nnx.Module):
         pos = cache.pos  # callers keep pos + T <= cache.max_len (the engine sizes caches per request)
         h = self.embed_tokens(tokens)
         new_layers, pend, taps = [], [], {}
+        if -1 in tap_layers:  # DSpark convention: layer id -1 = the embedding output
+            taps[-1] = h
         for i, layer in enumerate(self.layers):
             h, c = layer(h, cache.layers[i], pos, pending=pending)
             if pending and layer.kind == "kda":
