@@ -134,13 +134,14 @@ class Engine:
         finish = FINISH_RUNNING
         while True:
             if t_first is None:  # first token: read the prefill before compiling / enqueueing the loop
-                n_out, fin = int(state.n_out), int(state.finish)
+                n_out, fin, out_buf = jax.device_get((state.n_out, state.finish, state.out))
                 t_first = time.perf_counter()
                 nxt = dec.run(dec.params, state, samp, override, max_steps=chunk_steps)
             else:
-                nxt = dec.run(dec.params, state, samp, override, max_steps=chunk_steps)  # enqueued
-                n_out, fin = int(state.n_out), int(state.finish)                            # previous chunk
-            new = np.asarray(state.out[emitted:n_out]).tolist() if n_out > emitted else []
+                nxt = dec.run(dec.params, state, samp, override, max_steps=chunk_steps)   # enqueued
+                n_out, fin, out_buf = jax.device_get((state.n_out, state.finish, state.out))  # previous chunk
+            n_out, fin = int(n_out), int(fin)
+            new = out_buf[emitted:n_out].tolist()
             emitted = n_out
             delta = "".join(detok.feed(t) for t in new) if detok else ""
             text += delta
@@ -161,7 +162,7 @@ class Engine:
             tail = detok.flush()
             delta += tail
             text += tail
-        tokens = np.asarray(last.out[:n_out]).tolist()
+        tokens = out_buf[:n_out].tolist()
         steps = int(last.steps)
         stats = GenerationStats(
             ttft_s=t_first - t_start, total_s=t_end - t_start,
