@@ -60,11 +60,14 @@ def _bucket(n: int) -> int:
 
 class Engine:
     def __init__(self, target: LingModel, tokenizer=None, draft=None, *, spec: SpecConfig | None = None,
-                 chunk_steps: int = 16, max_context: int | None = None, extra_stop_ids: Sequence[int] = ()):
+                 chunk_steps: int = 16, max_context: int | None = None, extra_stop_ids: Sequence[int] = (),
+                 target_chunk_s: float = 0.2):
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
         self.cfg = target.cfg
         self.spec = spec or SpecConfig("dspark" if draft is not None else "none")
         self.chunk_steps = chunk_steps
+        self.target_chunk_s = target_chunk_s
+        self._step_costs: dict = {}
         self.max_context = min(max_context or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
         ids = set(self.cfg.eos_token_ids) | set(extra_stop_ids)
         if tokenizer is not None:
@@ -81,6 +84,15 @@ class Engine:
             self._decoders[key] = Decoder(self.target, spec, draft=self.draft if spec.method == "dspark" else None,
                                           stop_ids=self.stop_ids, stop_sequences=tuple(stop_sequences), greedy=greedy)
         return self._decoders[key]
+
+    def step_costs(self, spec: SpecConfig):
+        """Relative step time per verify width, measured once per spec for the 'confidence' policy
+        (DSpark's rule needs the marginal cost of verifying one more token); ones otherwise."""
+        if spec.verify_policy != "confidence" or len(spec.widths) == 1:
+            return jnp.ones((len(spec.widths),), jnp.float32)
+        if spec not in self._step_costs:
+            self._step_costs[spec] = jnp.asarray(measure_verify_costs(self.target, spec.widths), jnp.float32)
+        return self._step_costs[spec]
 
     # ---- inputs -------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
@@ -118,7 +130,10 @@ class Engine:
                chunk_steps: int | None = None) -> Iterator[StreamChunk]:
         """Yield StreamChunks as device chunks complete; the last one carries the result.
 
-        chunk_steps: speculative steps per device call (default: the engine's)."""
+        chunk_steps: speculative steps per device call. Default: start with the engine's
+        `chunk_steps` and then size chunks to last about `target_chunk_s` each (measured), since
+        every device call costs a few ms of fixed host/launch work (docs/PERFORMANCE.md)."""
+        adapt = chunk_steps is None and self.target_chunk_s > 0
         chunk_steps = chunk_steps or self.chunk_steps
         t_start = time.perf_counter()
         spec = spec or self.spec
@@ -126,7 +141,7 @@ class Engine:
         max_new = self.resolve_max_tokens(len(ids), max_tokens, spec)
         dec = self.decoder(spec, sampling.greedy, stop_token_sequences)
         samp = SamplingArrays.from_params(sampling)
-        cost = jnp.ones((len(spec.widths),), jnp.float32) if not hasattr(self, "step_cost") else self.step_cost(spec)
+        cost = self.step_costs(spec)
         state = dec.prefill(dec.params, jnp.asarray([ids], jnp.int32), _bucket(max_new), jnp.int32(max_new),
                             jax.random.key(sampling.seed), samp, cost)
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
@@ -134,12 +149,17 @@ class Engine:
         finish = FINISH_RUNNING
         while True:
             if t_first is None:  # first token: read the prefill before compiling / enqueueing the loop
-                n_out, fin, out_buf = jax.device_get((state.n_out, state.finish, state.out))
-                t_first = time.perf_counter()
+                n_out, fin, out_buf, steps = jax.device_get((state.n_out, state.finish, state.out, state.steps))
+                t_first = t_read = time.perf_counter()
                 nxt = dec.run(dec.params, state, samp, override, max_steps=chunk_steps)
             else:
                 nxt = dec.run(dec.params, state, samp, override, max_steps=chunk_steps)   # enqueued
-                n_out, fin, out_buf = jax.device_get((state.n_out, state.finish, state.out))  # previous chunk
+                n_out, fin, out_buf, now_steps = jax.device_get((state.n_out, state.finish, state.out, state.steps))
+                t_now = time.perf_counter()
+                if adapt and now_steps > steps:   # size the chunk after next from the measured step time
+                    step_s = (t_now - t_read) / (now_steps - steps)
+                    chunk_steps = int(min(4096, max(4, self.target_chunk_s / max(step_s, 1e-6))))
+                t_read, steps = t_now, now_steps
             n_out, fin = int(n_out), int(fin)
             new = out_buf[emitted:n_out].tolist()
             emitted = n_out
@@ -198,6 +218,32 @@ class Engine:
             self._logits_fn = (jax.jit(fn), params)
         fn, params = self._logits_fn
         return np.asarray(fn(params, jnp.asarray([ids], jnp.int32))[0], np.float32)
+
+
+def measure_verify_costs(target: LingModel, widths: Sequence[int], context: int = 256, repeats: int = 3):
+    """Wall time of a verify forward over n+1 tokens for each n in widths, normalised to the
+    smallest. The draft pass costs the same at every width, so it does not change the ranking
+    much and is not included."""
+    from lingjax.cache import init_cache
+    graph, params = nnx.split(target)
+
+    @jax.jit
+    def verify(params, tokens, cache):
+        m = nnx.merge(graph, params)
+        return m(tokens, cache, logits="all", pending=True).logits
+
+    cache = init_cache(target.cfg, 1, context + max(widths) + 1, target.dtype, with_mtp=False)
+    cache = cache._replace(pos=jnp.int32(context))
+    times = []
+    for n in widths:
+        toks = jnp.zeros((1, n + 1), jnp.int32)
+        verify(params, toks, cache).block_until_ready()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            r = verify(params, toks, cache)
+        r.block_until_ready()
+        times.append((time.perf_counter() - t) / repeats)
+    return [x / times[0] for x in times]
 
 
 def _find_stop(text: str, stops: Sequence[str], new_from: int) -> int | None:
