@@ -94,6 +94,13 @@ class Engine:
             self._step_costs[spec] = jnp.asarray(measure_verify_costs(self.target, spec.widths), jnp.float32)
         return self._step_costs[spec]
 
+    def prompt_bucket(self, n: int, max_new: int, spec: SpecConfig) -> int:
+        """Compiled prompt length for an n-token prompt: the next power of two (>= 16), so a server
+        compiles O(log context) prefills instead of one per prompt length. The padding is masked
+        (`valid_len`): KDA states skip it and its MLA entries are overwritten before use."""
+        del max_new, spec
+        return _bucket(n)
+
     # ---- inputs -------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -142,8 +149,9 @@ class Engine:
         dec = self.decoder(spec, sampling.greedy, stop_token_sequences)
         samp = SamplingArrays.from_params(sampling)
         cost = self.step_costs(spec)
-        state = dec.prefill(dec.params, jnp.asarray([ids], jnp.int32), _bucket(max_new), jnp.int32(max_new),
-                            jax.random.key(sampling.seed), samp, cost)
+        padded = ids + [0] * (self.prompt_bucket(len(ids), max_new, spec) - len(ids))
+        state = dec.prefill(dec.params, jnp.asarray([padded], jnp.int32), _bucket(max_new), jnp.int32(max_new),
+                            jax.random.key(sampling.seed), samp, cost, prompt_len=jnp.int32(len(ids)))
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
         emitted, text, t_first = 0, "", None
         finish = FINISH_RUNNING

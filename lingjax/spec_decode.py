@@ -130,23 +130,30 @@ class Decoder:
         self.run = jax.jit(self._run)
 
     # ---- prefill ------------------------------------------------------------------------------
-    def _prefill(self, params, prompt, max_new: int, limit, key, samp, step_cost):
-        """prompt [1, T] -> DecodeState holding the first generated token as anchor."""
+    def _prefill(self, params, prompt, max_new: int, limit, key, samp, step_cost, prompt_len=None):
+        """prompt [1, T] -> DecodeState holding the first generated token as anchor.
+
+        prompt_len (traced, optional): the prompt is padded to T (a compiled bucket) and only its
+        first prompt_len tokens are real, so one compilation serves every length up to T."""
         target, draft = nnx.merge(self.graph, params)
         t = prompt.shape[1]
+        n = jnp.int32(t) if prompt_len is None else jnp.asarray(prompt_len, jnp.int32)
         b = self.spec.drafts
         cache = _init_cache(target, t + max_new + b + 2)
-        out = target(prompt, cache, logits="last", tap_layers=self.tap_layers)
+        out = target(prompt, cache, logits="none", tap_layers=self.tap_layers,
+                     valid_len=None if prompt_len is None else n)
         key, k0 = jax.random.split(key)
-        logits = out.logits[0, -1]
+        last_hidden = jax.lax.dynamic_slice_in_dim(out.hidden, n - 1, 1, axis=1)     # [1, 1, D]
+        logits = target.logits(last_hidden)[0, 0]
         first = jnp.argmax(logits).astype(jnp.int32) if self.greedy else sampling.sample_token(k0, logits, samp)
         draft_cache, mtp_hidden, cache = None, None, out.cache
         if self.spec.method == "dspark":
-            draft_cache = draft.append_context(draft.init_cache(1, cache.max_len), out.taps, 0)
+            draft_cache = draft.append_context(draft.init_cache(1, cache.max_len), out.taps, 0, count=n)
         if self.spec.method == "mtp":
-            nxt = jnp.concatenate([prompt[:, 1:], first[None, None]], axis=1)
+            shifted = jnp.concatenate([prompt[:, 1:], prompt[:, :1]], axis=1)
+            nxt = jnp.where(jnp.arange(t) == n - 1, first, shifted)      # token t+1 for every position t
             h, cache = target.mtp_forward(out.hidden, nxt, cache, pos=0)
-            mtp_hidden = h[:, -1:]
+            mtp_hidden = jax.lax.dynamic_slice_in_dim(h, n - 1, 1, axis=1)
         nb = max(b, 1)
         state = DecodeState(
             cache=cache, draft_cache=draft_cache, mtp_hidden=mtp_hidden, anchor=first,

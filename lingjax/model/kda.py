@@ -40,9 +40,13 @@ class KDA(nnx.Module):
         self.o_norm = param(None, (k,), (None,), dtype, init="ones")
         self.w_out = param(rngs, (h, k, d), ("heads", "head_dim", "embed"), dtype, std=(h * k) ** -0.5)
 
-    def __call__(self, x, cache: KDAState, *, pending: bool = False):
+    def __call__(self, x, cache: KDAState, *, pending: bool = False, valid_len=None):
         """x [B, T, D] -> (y [B, T, D], new KDAState) or, with pending=True (speculative verify),
-        (y, KDAPending) leaving the state untouched until `commit_prefix` knows the accepted length."""
+        (y, KDAPending) leaving the state untouched until `commit_prefix` knows the accepted length.
+
+        valid_len (traced int, optional): only the first valid_len tokens are real (a prompt padded
+        to a compiled length); the rest become identity updates (gate 0, beta 0) and the conv
+        window ends at valid_len. Outputs past valid_len are meaningless."""
         cfg = self.cfg
         acc = acc_dtype(x.dtype)
         b, t, _ = x.shape
@@ -56,6 +60,10 @@ class KDA(nnx.Module):
         g = kda_ops.kda_gate(proj[:, :, 3], self.A_log[...], self.dt_bias[...].reshape(-1),
                              safe_gate=cfg.kda_safe_gate, lower_bound=cfg.kda_lower_bound)
         beta = jax.nn.sigmoid(jnp.dot(x.astype(acc), self.w_beta[...].astype(acc)))   # [B, T, H]
+        if valid_len is not None:
+            real = jnp.arange(t) < valid_len
+            g = jnp.where(real[None, :, None, None], g, 0.0)
+            beta = jnp.where(real[None, :, None], beta, 0.0)
         if t == 1 and not pending:
             o, s = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state)
             o = o[:, None]
@@ -65,7 +73,11 @@ class KDA(nnx.Module):
         if pending:
             return y, KDAPending(cache, k, v, g, beta, conv_in)
         ks = cfg.short_conv_kernel_size
-        return y, KDAState(s, conv_in[:, t:t + ks - 1] if ks > 1 else cache.conv)
+        if ks == 1:
+            return y, KDAState(s, cache.conv)
+        if valid_len is not None:
+            return y, KDAState(s, jax.lax.dynamic_slice_in_dim(conv_in, valid_len, ks - 1, axis=1))
+        return y, KDAState(s, conv_in[:, t:t + ks - 1])
 
     def _output(self, o, gate, dtype):
         """Gated per-head RMSNorm then o_proj: o [B, T, H, V] (acc), gate [B, T, H, K]."""

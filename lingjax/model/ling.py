@@ -31,11 +31,11 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, h, cache, pos, *, pending: bool = False):
+    def __call__(self, h, cache, pos, *, pending: bool = False, valid_len=None):
         if self.kind == "mla":
             a, cache = self.attn(self.input_norm(h), cache, pos)
         else:
-            a, cache = self.attn(self.input_norm(h), cache, pending=pending)
+            a, cache = self.attn(self.input_norm(h), cache, pending=pending, valid_len=valid_len)
         h = h + a
         return h + self.mlp(self.post_norm(h)), cache
 
@@ -90,13 +90,15 @@ class LingModel(nnx.Module):
         return jnp.dot(hidden, self.lm_head[...], preferred_element_type=acc)
 
     def __call__(self, tokens, cache: LingCache, *, logits: str = "all", tap_layers: tuple[int, ...] = (),
-                 pending: bool = False, return_all_hidden: bool = False) -> ForwardOut:
+                 pending: bool = False, return_all_hidden: bool = False, valid_len=None) -> ForwardOut:
         """tokens [B, T] int32 at positions cache.pos .. cache.pos+T-1.
 
         logits: 'all' | 'last' | 'none'. tap_layers: static layer ids whose output residual stream
         is returned concatenated (DSpark context features). pending=True (verify): KDA states are
         not advanced; `commit(cache, pending, n)` advances them by the accepted n tokens later.
         return_all_hidden: taps become every layer's output stacked [L, B, T, D] (tests).
+        valid_len (traced int): tokens past it are padding (prompt buckets): KDA states skip them,
+        MLA entries past it are junk that later writes overwrite, pos advances by valid_len.
         """
         if tokens.shape[1] > cache.max_len:
             raise ValueError(f"{tokens.shape[1]} tokens do not fit a cache of {cache.max_len} positions")
@@ -106,7 +108,7 @@ class LingModel(nnx.Module):
         if -1 in tap_layers:  # DSpark convention: layer id -1 = the embedding output
             taps[-1] = h
         for i, layer in enumerate(self.layers):
-            h, c = layer(h, cache.layers[i], pos, pending=pending)
+            h, c = layer(h, cache.layers[i], pos, pending=pending, valid_len=valid_len)
             if pending and layer.kind == "kda":
                 new_layers.append(cache.layers[i])
                 pend.append(c)
@@ -128,7 +130,8 @@ class LingModel(nnx.Module):
         else:
             tap_out = None
         t = tokens.shape[1]
-        new_cache = LingCache(tuple(new_layers), cache.mtp, pos if pending else pos + t)
+        advance = t if valid_len is None else valid_len
+        new_cache = LingCache(tuple(new_layers), cache.mtp, pos if pending else (pos + advance).astype(jnp.int32))
         return ForwardOut(out_logits, hidden, tap_out, new_cache, tuple(pend) if pending else None)
 
     def mtp_forward(self, hidden, next_tokens, cache: LingCache, pos=None):
