@@ -1,0 +1,331 @@
+"""Batch-1, concurrency-1 serving benchmark (the SGLang `bench_serving` random recipe, in process).
+
+    python -m bench.batch1 --random-weights [--layers N] [--spec none|mtp|dspark] [--forced-accept 3.5]
+    python -m bench.batch1 --checkpoint DIR [--draft DIR] --spec dspark
+
+Random-token prompts of --input-len, --output-len greedy tokens each, --num-prompts requests one
+after the other after one excluded warm-up request. Each request is: prefill (jitted, blocked on:
+TTFT), then the whole generation as ONE on-device loop (`Decoder.run` with max_steps large enough,
+blocked on: decode time). TPOT = decode time / (output tokens - 1). The loop never returns to the
+host between steps, so per-step times are not observed: ITL uses the request's mean step time
+split over each step's committed tokens (see `itl_*` in the record).
+
+--forced-accept tau forces a mean accept length tau through the real draft / verify / rollback /
+commit code (DraftOverride, force=True, oracle of random tokens), for random weights where the
+natural acceptance is ~1. The roofline fraction uses bench/roofline.py (bytes one step must read at
+the mean context of each request; routed experts: uniform-routing expectation for the verify
+width) over the measured time per step, against a jitted device copy measured here.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+import time
+from pathlib import Path
+
+from lingjax import xla_env
+
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "ling3-tiny" / "config.json"
+FP8_MSG = ("--dtype fp8: fp8 weight-only inference is not supported yet: the model has no fp8 "
+           "parameters (checkpoints are dequantised on load); it needs the fp8 weights support of the "
+           "kernel issue. Use --dtype bf16.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.batch1", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", help="HF or converted Ling-3.0 checkpoint directory")
+    src.add_argument("--random-weights", action="store_true",
+                     help="random bf16 weights at the full Ling-3.0-flash shapes (built on the device)")
+    src.add_argument("--config-json", help="random weights for this config.json (small test configs)")
+    src.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)   # tests: tests/data/ling3-tiny
+    ap.add_argument("--draft", help="DSpark draft checkpoint directory (--spec dspark with --checkpoint)")
+    ap.add_argument("--dtype", choices=["bf16", "f32", "fp8"], default="bf16")
+    ap.add_argument("--layers", type=int, default=None, help="depth-reduced model (random weights only)")
+    ap.add_argument("--spec", choices=["none", "mtp", "dspark"], default="none")
+    ap.add_argument("--block-size", type=int, default=8, help="drafts per speculative step")
+    ap.add_argument("--forced-accept", type=float, default=None, metavar="TAU",
+                    help="force mean accept length TAU (1 <= TAU <= block+1) through the real spec code")
+    ap.add_argument("--input-len", type=int, default=8192)
+    ap.add_argument("--output-len", type=int, default=1024)
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--copy-mib", type=int, default=None,
+                    help="size of the bandwidth-probe array (default 1024 MiB on GPU, 64 on CPU)")
+    ap.add_argument("--profile", metavar="DIR", help="jax.profiler trace of the timed requests")
+    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
+    return ap
+
+
+def _check_args(ap, a) -> None:
+    """Flag errors that need no model: exit 2 via ap.error."""
+    if a.dtype == "fp8":
+        ap.error(FP8_MSG)
+    if not (a.checkpoint or a.random_weights or a.config_json or a.tiny):
+        ap.error("choose a model: --checkpoint DIR or --random-weights")
+    if a.input_len < 1 or a.output_len < 2 or a.num_prompts < 1:
+        ap.error("--input-len >= 1, --output-len >= 2 and --num-prompts >= 1 are required")
+    if a.spec != "none" and a.block_size < 1:
+        ap.error(f"--block-size must be >= 1, got {a.block_size}")
+    if a.layers is not None and a.layers < 1:
+        ap.error(f"--layers must be >= 1, got {a.layers}")
+    if a.layers is not None and a.checkpoint:
+        ap.error("--layers needs random weights (a checkpoint is run at its own depth)")
+    if a.draft and a.spec != "dspark":
+        ap.error("--draft is only used with --spec dspark")
+    if a.spec == "dspark" and a.checkpoint and not a.draft:
+        ap.error("--spec dspark with --checkpoint needs the DSpark draft checkpoint: --draft DIR "
+                 "(a random draft is only built for random target weights)")
+    if a.forced_accept is not None:
+        tau = a.forced_accept
+        if a.spec == "none":
+            if tau != 1:
+                ap.error("--forced-accept needs --spec mtp or dspark (plain decoding accepts 1 token per step)")
+        elif not (1 <= tau <= a.block_size + 1):
+            ap.error(f"--forced-accept {tau} is outside 1..block+1 (= {a.block_size + 1}): a step commits "
+                     f"at most block_size drafts plus one bonus token")
+
+
+def accept_pattern(tau: float, period: int = 64) -> list[int]:
+    """Accepted-draft counts per step (cycled) whose running mean tracks tau - 1 as closely as the
+    step count allows (Bresenham: the counts are floor / ceil of tau - 1, spread evenly)."""
+    x = tau - 1.0
+    return [int(math.floor((i + 1) * x + 1e-9) - math.floor(i * x + 1e-9)) for i in range(period)]
+
+
+def draft_config_for(cfg, block: int):
+    """The published Ling-3.0-flash DSpark draft shape, taps clipped to the target's depth. Targets of
+    another width (test configs) get the same structure at the target's width / vocabulary."""
+    import numpy as np
+    from lingjax.dspark_config import dspark_for_ling3_flash
+    base = dspark_for_ling3_flash()
+    n = cfg.num_hidden_layers
+    if n == base.num_target_layers:
+        ids = base.target_layer_ids
+    else:   # keep 5 taps (the real fc width) spread over the reduced depth when possible
+        ids = tuple(sorted({int(round(x)) for x in np.linspace(min(1, n - 1), n - 1, base.num_taps)}))
+        if len(ids) < min(base.num_taps, n):
+            ids = tuple(range(n - min(base.num_taps, n), n))
+    kw = dict(target_layer_ids=ids, num_target_layers=n, block_size=block)
+    if cfg.hidden_size != base.hidden_size or cfg.vocab_size != base.vocab_size:
+        kw.update(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                  num_key_value_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+                  intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+                  mask_token_id=cfg.vocab_size - 1, markov_rank=min(base.markov_rank, max(8, cfg.hidden_size // 8)))
+    return base.replace(**kw)
+
+
+def _pct(values, q, weights=None) -> float:
+    import numpy as np
+    v = np.asarray(values, np.float64)
+    if weights is None:
+        return float(np.percentile(v, q))
+    w = np.asarray(weights, np.float64)
+    order = np.argsort(v)
+    v, w = v[order], w[order]
+    cw = np.cumsum(w)
+    return float(v[min(np.searchsorted(cw, q / 100.0 * cw[-1]), len(v) - 1)])
+
+
+def measure_copy_bandwidth(nbytes: int, repeats: int = 7) -> float:
+    """Bytes/s of a jitted device-to-device elementwise copy (x + 1 into a new buffer), counting
+    bytes read + written; median of `repeats` runs after one warm-up."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    n = max(1, nbytes // 4)
+    x = jax.block_until_ready(jnp.zeros((n,), jnp.float32))
+    f = jax.jit(lambda a: a + jnp.float32(1))
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t)
+    return 2 * n * 4 / float(np.median(ts))
+
+
+def main(argv=None) -> dict:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    _check_args(ap, a)
+    if not a.no_xla_defaults:
+        xla_env.configure()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from bench import roofline
+    from bench.common import block, save_result
+    from lingjax.config import ConfigError, LingConfig, preset
+    from lingjax.model.ling import LingModel
+    from lingjax.sampling import SamplingArrays, SamplingParams
+    from lingjax.spec_decode import Decoder, DraftOverride, SpecConfig
+
+    dt = {"bf16": jnp.bfloat16, "f32": jnp.float32}[a.dtype]
+    # ---- config (validated before any weight is built) ------------------------------------------
+    try:
+        if a.checkpoint:
+            cfg = LingConfig.from_json(a.checkpoint)
+        elif a.config_json or a.tiny:
+            cfg = LingConfig.from_json(a.config_json or TINY_CONFIG)
+        else:
+            cfg = preset("ling3-flash")
+        if a.layers is not None:
+            cfg = cfg.replace(num_hidden_layers=a.layers)
+    except (ConfigError, OSError) as e:
+        ap.error(str(e))
+    B = a.block_size if a.spec != "none" else 0
+    if a.input_len + a.output_len + B > cfg.max_position_embeddings:
+        ap.error(f"--input-len {a.input_len} + --output-len {a.output_len} + block {B} = "
+                 f"{a.input_len + a.output_len + B} exceeds the context (max_position_embeddings "
+                 f"{cfg.max_position_embeddings})")
+
+    # ---- models ---------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    draft = None
+    try:
+        if a.checkpoint:
+            from lingjax.checkpoint import load_model
+            target = load_model(a.checkpoint, dt)
+            if a.draft:
+                from lingjax.loader import load_draft
+                draft = load_draft(a.draft, dt)
+        else:
+            with_mtp = a.spec == "mtp"
+            target = nnx.jit(lambda: LingModel(cfg, dtype=dt, rngs=nnx.Rngs(0), with_mtp=with_mtp))()
+        if a.spec == "dspark" and draft is None:
+            from lingjax.model.dspark import DSparkDraft
+            dcfg_r = draft_config_for(cfg, a.block_size)
+            draft = nnx.jit(lambda: DSparkDraft(dcfg_r, dtype=dt, rngs=nnx.Rngs(1)))()
+        block(nnx.state(target))
+        if draft is not None:
+            block(nnx.state(draft))
+        dec = Decoder(target, SpecConfig(a.spec, max(a.block_size, 1)), draft=draft)
+    except ValueError as e:   # draft / MTP that does not fit, bad block size
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    load_s = time.perf_counter() - t0
+    cfg = target.cfg
+    print(f"model ready in {load_s:.1f}s: {cfg.num_hidden_layers} layers, spec {a.spec}"
+          + (f" block {a.block_size}" if B else "") + f", {a.dtype}", flush=True)
+
+    # ---- request machinery ----------------------------------------------------------------------
+    samp = SamplingArrays.from_params(SamplingParams())
+    step_cost = jnp.ones((len(dec.spec.widths),), jnp.float32)
+    pattern = None
+    if a.forced_accept is not None and B:
+        pattern = jnp.asarray(accept_pattern(a.forced_accept), jnp.int32)
+    rng = np.random.default_rng(a.seed)
+    oracle_len = a.input_len + a.output_len + B + 8
+    max_steps = a.output_len + 1
+
+    def one_request():
+        prompt = jax.device_put(jnp.asarray(rng.integers(0, cfg.vocab_size, (1, a.input_len)), jnp.int32))
+        override = None
+        if pattern is not None:
+            oracle = jnp.asarray(rng.integers(0, cfg.vocab_size, (oracle_len,)), jnp.int32)
+            override = block(DraftOverride(oracle, pattern, jnp.asarray(True)))
+        key = jax.random.key(int(rng.integers(0, 2**31 - 1)))
+        block(prompt)
+        t = time.perf_counter()
+        st = block(dec.prefill(dec.params, prompt, a.output_len, jnp.int32(a.output_len), key, samp, step_cost))
+        t1 = time.perf_counter()
+        sd = block(dec.run(dec.params, st, samp, override, max_steps))
+        t2 = time.perf_counter()
+        n_out, steps, acc, hist, pos = jax.device_get((sd.n_out, sd.steps, sd.accepted, sd.accept_hist,
+                                                       sd.pos_accepted))
+        return {"ttft": t1 - t, "decode": t2 - t1, "n_out": int(n_out), "steps": int(steps),
+                "accepted": int(acc), "hist": np.asarray(hist), "pos": np.asarray(pos)}
+
+    t = time.perf_counter()
+    one_request()                                                      # warm-up (compiles), excluded
+    print(f"warm-up request (compile) {time.perf_counter() - t:.1f}s", flush=True)
+    dev = jax.devices()[0]
+    copy_bytes = (a.copy_mib or (1024 if dev.platform == "gpu" else 64)) << 20
+    copy_bw = measure_copy_bandwidth(copy_bytes)
+
+    reqs = []
+    trace = jax.profiler.trace(a.profile) if a.profile else contextlib.nullcontext()
+    with trace:
+        t_wall = time.perf_counter()
+        for i in range(a.num_prompts):
+            reqs.append(one_request())
+        wall = time.perf_counter() - t_wall
+
+    # ---- metrics --------------------------------------------------------------------------------
+    ttft = np.array([r["ttft"] for r in reqs])
+    tpot = np.array([r["decode"] / (r["n_out"] - 1) for r in reqs])
+    itl_v, itl_w = [], []
+    for r in reqs:
+        step_t = r["decode"] / max(r["steps"], 1)
+        for acc_n, count in enumerate(r["hist"]):
+            if count:
+                itl_v.append(step_t / (acc_n + 1))
+                itl_w.append(count * (acc_n + 1))
+    itl_v, itl_w = np.array(itl_v), np.array(itl_w, np.float64)
+    total_out = sum(r["n_out"] for r in reqs)
+    total_steps = sum(r["steps"] for r in reqs)
+    decode_s = sum(r["decode"] for r in reqs)
+    accept_len = 1.0 + sum(r["accepted"] for r in reqs) / total_steps
+    per_pos = (sum(r["pos"] for r in reqs) / total_steps).tolist() if B else []
+    step_s = decode_s / total_steps
+    dcfg = draft.cfg if draft is not None else None
+    rb = []
+    for r in reqs:   # bytes per step at the request's mean context (input + half the output)
+        ctx = a.input_len + r["n_out"] / 2
+        rb.append((roofline.step_bytes(cfg, a.dtype, a.spec, a.block_size, ctx, dcfg), r["steps"]))
+    bytes_step = sum(sb.total * n for sb, n in rb) / total_steps
+    achieved_bw = bytes_step / step_s
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    peak = (stats or {}).get("peak_bytes_in_use")
+
+    def ms3(x, w=None):
+        return {"mean": float(np.average(x, weights=w)) * 1e3, "median": _pct(x, 50, w) * 1e3,
+                "p99": _pct(x, 99, w) * 1e3}
+
+    rec = {
+        "bench": "batch1", "model": a.checkpoint or ("random:" + (a.config_json or ("tiny" if a.tiny else "ling3-flash"))),
+        "layers": cfg.num_hidden_layers, "dtype": a.dtype, "spec": a.spec,
+        "block_size": a.block_size if B else 0, "forced_accept": a.forced_accept,
+        "input_len": a.input_len, "output_len": a.output_len, "num_prompts": a.num_prompts,
+        "ttft_ms": ms3(ttft), "tpot_ms": ms3(tpot), "itl_ms": ms3(itl_v, itl_w),
+        "output_throughput_tok_s": total_out / wall, "wall_s": wall, "total_output_tokens": total_out,
+        "accept_length": accept_len, "accept_per_position": per_pos,
+        "steps": total_steps, "ms_per_step": step_s * 1e3,
+        "ms_per_layer_step": step_s * 1e3 / cfg.num_hidden_layers,
+        "peak_device_bytes": peak,
+        "roofline": {"bytes_per_step": bytes_step, "bytes_breakdown": rb[0][0].as_dict(),
+                     "achieved_bytes_per_s": achieved_bw, "copy_bytes_per_s": copy_bw,
+                     "copy_probe_bytes": copy_bytes, "fraction": achieved_bw / copy_bw,
+                     "experts": "uniform-routing expectation"},
+        "load_s": load_s, "profile_dir": a.profile, "flags": vars(a),
+    }
+    print()
+    print(f"{'metric':28s} {'mean':>10s} {'median':>10s} {'p99':>10s}")
+    for name, key in (("TTFT (ms)", "ttft_ms"), ("TPOT excl. first (ms)", "tpot_ms"), ("ITL per token (ms)", "itl_ms")):
+        m = rec[key]
+        print(f"{name:28s} {m['mean']:10.3f} {m['median']:10.3f} {m['p99']:10.3f}")
+    print(f"{'output throughput':28s} {rec['output_throughput_tok_s']:10.1f} tok/s  ({total_out} tokens in {wall:.2f}s)")
+    print(f"{'accept length':28s} {accept_len:10.3f}" + (f"  per position {', '.join(f'{p:.2f}' for p in per_pos)}" if B else ""))
+    print(f"{'time per step':28s} {step_s*1e3:10.3f} ms  ({step_s*1e3/cfg.num_hidden_layers:.3f} ms per layer = step / {cfg.num_hidden_layers} layers)")
+    print(f"{'peak device memory':28s} " + (f"{peak/2**30:10.2f} GiB" if peak is not None else "       n/a"))
+    print(f"{'roofline':28s} {bytes_step/1e9:10.3f} GB/step -> {achieved_bw/1e9:.1f} GB/s achieved vs copy "
+          f"{copy_bw/1e9:.1f} GB/s = {rec['roofline']['fraction']*100:.1f}% (experts/layer "
+          f"{rb[0][0].experts_per_layer:.1f}, uniform routing)")
+    if a.profile:
+        print(f"profile trace written under {a.profile} (open with TensorBoard / Perfetto); a per-component "
+              "breakdown is not implemented")
+    print()
+    path = save_result("batch1", rec, a.out)
+    rec["result_path"] = str(path)
+    return rec
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""CPU smoke test of bench/batch1.py on the tiny random config (no speed numbers asserted) and of
+the bytes-per-step model in bench/roofline.py."""
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from bench import batch1, roofline
+from lingjax.config import LingConfig, preset
+from lingjax.model.ling import LingModel
+from conftest import LING_TINY
+
+BASE = ["--tiny", "--layers", "4", "--input-len", "32", "--output-len", "16", "--num-prompts", "2", "--no-xla-defaults",
+        "--copy-mib", "8"]
+KEYS = {"ttft_ms", "tpot_ms", "itl_ms", "output_throughput_tok_s", "accept_length", "accept_per_position",
+        "peak_device_bytes", "roofline", "ms_per_step", "ms_per_layer_step", "flags"}
+
+
+@pytest.mark.parametrize("spec,tau,block", [("none", None, 8), ("mtp", 2.5, 4), ("dspark", 3.0, 4)])
+def test_batch1_smoke(tmp_path, capsys, spec, tau, block):
+    argv = BASE + ["--spec", spec, "--block-size", str(block), "--out", str(tmp_path)]
+    if tau is not None:
+        argv += ["--forced-accept", str(tau)]
+    rec = batch1.main(argv)
+    assert KEYS <= set(rec)
+    saved = json.loads(open(rec["result_path"]).read())
+    assert KEYS | {"env"} <= set(saved) and saved["spec"] == spec
+    assert saved["env"]["git_commit"] is not None and "jax" in saved["env"]
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last)["bench"] == "batch1"
+    for k in ("ttft_ms", "tpot_ms", "itl_ms"):
+        assert all(v > 0 and math.isfinite(v) for v in rec[k].values())
+    assert rec["output_throughput_tok_s"] > 0
+    assert rec["total_output_tokens"] == 2 * 16
+    expect = tau if tau is not None else 1.0
+    assert abs(rec["accept_length"] - expect) <= 0.5
+    assert len(rec["accept_per_position"]) == (0 if spec == "none" else block)
+    assert 0 < rec["roofline"]["fraction"] < 1e3
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--dtype", "fp8"], "fp8"),
+    (["--input-len", "4090", "--output-len", "16", "--spec", "dspark"], "exceeds the context"),
+    (["--spec", "dspark", "--block-size", "4", "--forced-accept", "6"], "outside 1..block+1"),
+    (["--spec", "mtp", "--forced-accept", "0.5"], "outside 1..block+1"),
+])
+def test_batch1_bad_flags(capsys, extra, msg):
+    with pytest.raises(SystemExit) as e:
+        batch1.main(BASE + extra)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_batch1_dspark_checkpoint_needs_draft(capsys):
+    with pytest.raises(SystemExit) as e:
+        batch1.main(["--checkpoint", str(LING_TINY), "--spec", "dspark", "--no-xla-defaults"])
+    assert e.value.code == 2
+    assert "--draft" in capsys.readouterr().err
+
+
+def test_accept_pattern_mean():
+    for tau in (1.0, 1.5, 2.5, 3.3, 9.0):
+        p = batch1.accept_pattern(tau)
+        assert abs(sum(p) / len(p) - (tau - 1)) < 0.02
+        assert set(p) <= {math.floor(tau - 1), math.ceil(tau - 1)}
+
+
+@pytest.mark.parametrize("cfg", [LingConfig.from_json(LING_TINY / "config.json"),
+                                 preset("ling3-flash").replace(num_hidden_layers=7)])
+def test_roofline_param_count_matches_model(cfg):
+    for mtp in (False, True):
+        m = nnx.eval_shape(lambda: LingModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), with_mtp=mtp))
+        n = sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
+        assert n == roofline.param_count(cfg, mtp)
+
+
+def test_roofline_flash_numbers():
+    cfg = preset("ling3-flash")
+    one = roofline.step_bytes(cfg, "bf16", "none", context=9216)
+    assert 9.5e9 < one.weights < 11e9             # ~5.1B active params in bf16
+    assert abs(one.experts_per_layer - 8) < 1e-9
+    spec = roofline.step_bytes(cfg, "bf16", "dspark", 8, 9216, batch1.draft_config_for(cfg, 8))
+    assert spec.tokens == 9 and spec.total > one.total and spec.draft > 0
+    half = roofline.step_bytes(cfg.replace(num_hidden_layers=21), "bf16", "none", context=9216)
+    assert half.weights < 0.6 * one.weights
