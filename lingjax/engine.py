@@ -153,7 +153,7 @@ class Engine:
         state = dec.prefill(dec.params, jnp.asarray([padded], jnp.int32), _bucket(max_new), jnp.int32(max_new),
                             jax.random.key(sampling.seed), samp, cost, prompt_len=jnp.int32(len(ids)))
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
-        emitted, text, t_first = 0, "", None
+        emitted, text, t_first, ends, found = 0, "", None, [], None
         finish = FINISH_RUNNING
         while True:
             if t_first is None:  # first token: read the prefill before compiling / enqueueing the loop
@@ -170,13 +170,21 @@ class Engine:
                 t_read, steps = t_now, now_steps
             n_out, fin = int(n_out), int(fin)
             new = out_buf[emitted:n_out].tolist()
+            first_new = emitted
             emitted = n_out
-            delta = "".join(detok.feed(t) for t in new) if detok else ""
+            pieces = [detok.feed(t) for t in new] if detok else []
+            delta = "".join(pieces)
+            for piece in pieces:                       # text length after each token
+                ends.append((ends[-1] if ends else 0) + len(piece))
             text += delta
-            cut = _find_stop(text, stop, len(text) - len(delta))
-            if cut is not None:
+            found = _find_stop(text, stop, len(text) - len(delta))
+            if found is not None:
+                cut, length = found
                 delta = delta[: max(0, cut - (len(text) - len(delta)))]
                 text = text[:cut]
+                # keep the tokens up to the one that completes the stop string
+                n_out = next(i + 1 for i, e in enumerate(ends) if e >= cut + length)
+                new = new[: max(0, n_out - first_new)]
                 fin = FINISH_STOP
             if fin != FINISH_RUNNING:
                 finish = fin
@@ -186,7 +194,7 @@ class Engine:
                 yield StreamChunk(new, delta)
             state = nxt
         t_end = time.perf_counter()
-        if detok and cut is None:
+        if detok and found is None:
             tail = detok.flush()
             delta += tail
             text += tail
@@ -254,15 +262,15 @@ def measure_verify_costs(target: LingModel, widths: Sequence[int], context: int 
     return [x / times[0] for x in times]
 
 
-def _find_stop(text: str, stops: Sequence[str], new_from: int) -> int | None:
-    """Index where the earliest stop string starting in the new part of `text` begins, or None."""
+def _find_stop(text: str, stops: Sequence[str], new_from: int) -> tuple[int, int] | None:
+    """(start, length) of the earliest stop string that ends in the new part of `text`, or None."""
     best = None
     for s in stops:
         if not s:
             continue
         i = text.find(s, max(0, new_from - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, len(s))
     return best
 
 

@@ -107,3 +107,20 @@ def test_draft_that_does_not_fit_is_refused():
     draft = from_safetensors(DSPARK_TINY, dtype=jnp.float32)
     with pytest.raises(ValueError, match="target_layer_ids"):
         Engine(small, None, draft, spec=SpecConfig("dspark", 8))
+
+
+def test_stop_string_cuts_text_and_tokens():
+    from lingjax.engine import Engine
+    from lingjax.spec_decode import SpecConfig
+    from lingjax.tokenizer import Tokenizer, build_byte_level_tokenizer
+    eng = Engine(golden_model("float32"), Tokenizer(build_byte_level_tokenizer()), spec=SpecConfig("none"))
+    full = eng.generate("abc", max_tokens=24)
+    ids = full.token_ids
+    pairs = [k for k in range(1, len(ids) - 1) if ids[k] < 128 and ids[k + 1] < 128]   # printable bytes
+    assert pairs, "the golden model produced no ASCII byte pair to use as a stop string"
+    stop = bytes(ids[pairs[0]:pairs[0] + 2]).decode("ascii")
+    r = eng.generate("abc", max_tokens=24, stop=[stop])
+    cut = full.text.find(stop)
+    assert r.finish_reason == "stop" and r.text == full.text[:cut]
+    assert r.token_ids == ids[: len(r.token_ids)] and len(r.token_ids) < len(ids)
+    assert eng.tokenizer.decode(r.token_ids).endswith(stop)
