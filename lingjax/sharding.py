@@ -1,0 +1,224 @@
+"""Sharding the Ling target, the DSpark draft and their caches over a device mesh (jax.sharding).
+
+Approach: every parameter carries logical axis names (`nnx.Param(..., logical=(...))`, see
+lingjax.model.common). A small rule table maps logical names onto mesh axes; each parameter and
+each cache array is `device_put` with the resulting `NamedSharding`, and the existing jitted code
+(Decoder.prefill / Decoder.run, the model forward) is compiled as-is: XLA's GSPMD partitioner
+propagates the input shardings and inserts the collectives (e.g. the all-reduce after a
+heads-sharded output projection, the reduction of a greedy argmax over a vocab-sharded lm_head).
+Results are therefore the single-device results up to floating-point summation order.
+
+Mesh axes: ('ep', 'tp'). Default rules:
+    heads, kv_heads, vocab, mlp -> 'tp'      experts -> 'ep'      everything else replicated.
+A mesh axis is used at most once per array (a later dimension mapping to an axis already used is
+replicated). A dimension not divisible by its mesh axis size is an error naming the parameter, the
+logical axis, the dimension and the mesh axis (strict=False replicates that dimension instead).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("ep", "tp")
+
+DEFAULT_RULES: dict[str, str] = {
+    "heads": "tp",
+    "kv_heads": "tp",
+    "vocab": "tp",
+    "mlp": "tp",
+    "experts": "ep",
+}
+
+
+class ShardingError(ValueError):
+    """A mesh that does not fit the model (e.g. heads not divisible by tp)."""
+
+
+# ---- mesh ---------------------------------------------------------------------------------------
+def make_mesh(tp: int, ep: int = 1, devices=None) -> Mesh:
+    """A ('ep', 'tp') mesh of ep*tp devices (all available devices when `devices` is None; the
+    product must equal their number). tp is the inner (fastest-varying) axis."""
+    if tp < 1 or ep < 1:
+        raise ShardingError(f"mesh sizes must be >= 1, got tp={tp}, ep={ep}")
+    given = devices is not None
+    devices = list(jax.devices() if devices is None else devices)
+    if tp * ep != len(devices):
+        raise ShardingError(f"mesh tp={tp} x ep={ep} = {tp * ep} devices, but {len(devices)} "
+                            f"device(s) {'given' if given else 'available'}; tp*ep must equal the device count")
+    arr = np.array(devices, dtype=object).reshape(ep, tp)
+    try:
+        from jax.sharding import AxisType
+        return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+    except (ImportError, TypeError):  # older jax: Auto is the only kind
+        return Mesh(arr, MESH_AXES)
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """'tp=4', 'tp=2,ep=2', '4' (tp only) or '2x2' (ep x tp) -> (tp, ep). For a CLI --mesh flag."""
+    text = text.strip()
+    if "=" in text:
+        sizes = {"tp": 1, "ep": 1}
+        for part in text.split(","):
+            name, _, val = part.partition("=")
+            name = name.strip()
+            if name not in sizes:
+                raise ShardingError(f"unknown mesh axis {name!r} in {text!r} (tp, ep)")
+            sizes[name] = int(val)
+        return sizes["tp"], sizes["ep"]
+    if "x" in text:
+        ep, tp = (int(v) for v in text.split("x"))
+        return tp, ep
+    return int(text), 1
+
+
+# ---- logical axes -> PartitionSpec --------------------------------------------------------------
+def logical_to_spec(logical, rules: Mapping[str, str | None] | None = None) -> P:
+    """PartitionSpec for a tuple of logical axis names (None / unknown names: replicated)."""
+    rules = DEFAULT_RULES if rules is None else rules
+    used: set[str] = set()
+    out = []
+    for name in logical:
+        axis = rules.get(name) if name is not None else None
+        if axis is not None and axis in used:
+            axis = None
+        if axis is not None:
+            used.add(axis)
+        out.append(axis)
+    return P(*out)
+
+
+def _fit_spec(spec: P, shape, mesh: Mesh, logical, where: str, strict: bool) -> P:
+    """Check divisibility of each sharded dimension; raise (strict) or replicate that dimension."""
+    out = list(spec) + [None] * (len(shape) - len(spec))
+    for i, axis in enumerate(out):
+        if axis is None:
+            continue
+        size = mesh.shape[axis]
+        if shape[i] % size:
+            name = logical[i] if logical is not None else f"dim{i}"
+            msg = f"{name}={shape[i]} not divisible by {axis}={size} ({where})"
+            if strict:
+                raise ShardingError(msg)
+            warnings.warn(msg + ": replicated", stacklevel=3)
+            out[i] = None
+    return P(*out)
+
+
+def _path_str(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _flat_vars(model_or_state):
+    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
+    return nnx.to_flat_state(state)
+
+
+def _logical(var):
+    try:
+        meta = var.get_metadata()
+    except AttributeError:
+        meta = {}
+    return meta.get("logical")
+
+
+def param_shardings(model_or_abstract, mesh: Mesh, rules: Mapping[str, str | None] | None = None,
+                    *, strict: bool = True) -> dict[tuple, NamedSharding]:
+    """{state path: NamedSharding} for every variable of a module (or nnx.State / abstract state from
+    nnx.eval_shape), from its `logical` metadata. Variables without it are replicated."""
+    out = {}
+    for path, var in _flat_vars(model_or_abstract):
+        shape = tuple(var.shape) if hasattr(var, "shape") else tuple(np.shape(var.get_value()))
+        logical = _logical(var)
+        if logical is None:
+            spec = P()
+        else:
+            if len(logical) != len(shape):
+                raise ShardingError(f"{_path_str(path)}: logical axes {logical} do not match shape {shape}")
+            spec = _fit_spec(logical_to_spec(logical, rules), shape, mesh, logical, _path_str(path), strict)
+        out[tuple(path)] = NamedSharding(mesh, spec)
+    return out
+
+
+def shard_model(model, mesh: Mesh, rules: Mapping[str, str | None] | None = None, *, strict: bool = True):
+    """device_put every variable of `model` (in place) with its sharding; returns `model`.
+
+    All shardings are computed (and checked) before anything is moved, so an error leaves the model
+    untouched. Shard before building a Decoder (it splits the params at construction)."""
+    if model is None:
+        return None
+    shardings = param_shardings(model, mesh, rules, strict=strict)
+    for path, var in _flat_vars(model):
+        var.set_value(jax.device_put(var.get_value(), shardings[tuple(path)]))
+    return model
+
+
+# ---- caches ---------------------------------------------------------------------------------------
+def _dim_axis(n: int, mesh: Mesh, axis: str = "tp") -> str | None:
+    size = mesh.shape[axis]
+    return axis if size > 1 and n % size == 0 else None
+
+
+def cache_shardings(cache, cfg=None, mesh: Mesh | None = None, *, strict: bool = True):
+    """A pytree of NamedSharding matching `cache`:
+
+    LingCache: KDA state [B,H,K,V] and conv [B,ks-1,3,H,K] sharded on H over 'tp'; MLA latent and
+    k_rope replicated (one latent shared by every head); pos replicated.
+    DSparkCache: k/v [B,S,kv_heads,hd] sharded on kv_heads over 'tp' when divisible, else replicated;
+    length replicated. `cfg` (LingConfig) is optional: when given, H is checked against it.
+    Under strict=True a KDA head count not divisible by tp is a ShardingError (the matching params
+    would have failed too); otherwise it is replicated."""
+    from lingjax.cache import KDAState, LingCache, MLAState
+    from lingjax.model.dspark import DSparkCache
+    if mesh is None:
+        raise TypeError("cache_shardings needs a mesh")
+    rep = NamedSharding(mesh, P())
+
+    def heads_axis(h, where):
+        tp = mesh.shape["tp"]
+        if tp > 1 and h % tp:
+            if strict:
+                raise ShardingError(f"heads={h} not divisible by tp={tp} ({where})")
+            return None
+        return "tp" if tp > 1 else None
+
+    if isinstance(cache, LingCache):
+        layers = []
+        for i, layer in enumerate(cache.layers):
+            if isinstance(layer, KDAState):
+                h = layer.state.shape[1]
+                if cfg is not None and h != cfg.num_attention_heads:
+                    raise ShardingError(f"cache layer {i}: {h} heads, config has {cfg.num_attention_heads}")
+                ax = heads_axis(h, f"cache.layers.{i}")
+                layers.append(KDAState(NamedSharding(mesh, P(None, ax)),
+                                       NamedSharding(mesh, P(None, None, None, ax))))
+            elif isinstance(layer, MLAState):
+                layers.append(MLAState(rep, rep))
+            else:
+                layers.append(jax.tree.map(lambda _: rep, layer))
+        mtp = None if cache.mtp is None else MLAState(rep, rep)
+        return LingCache(tuple(layers), mtp, rep)
+    if isinstance(cache, DSparkCache):
+        def kv(x):
+            return NamedSharding(mesh, P(None, None, _dim_axis(x.shape[2], mesh)))
+        return DSparkCache(tuple(kv(x) for x in cache.k), tuple(kv(x) for x in cache.v), rep)
+    if cache is None:
+        return None
+    raise TypeError(f"cache_shardings: unknown cache type {type(cache).__name__}")
+
+
+def shard_cache(cache, cfg=None, mesh: Mesh | None = None, *, strict: bool = True):
+    """device_put a LingCache / DSparkCache with `cache_shardings`."""
+    if cache is None:
+        return None
+    return jax.device_put(cache, cache_shardings(cache, cfg, mesh, strict=strict))
+
+
+def describe(model, mesh: Mesh, rules=None) -> list[tuple[str, tuple, P]]:
+    """(path, global shape, spec) of every variable: for logging / --mesh dry runs."""
+    sh = param_shardings(model, mesh, rules)
+    return [(_path_str(p), tuple(v.shape), sh[tuple(p)].spec) for p, v in _flat_vars(model)]
