@@ -36,8 +36,12 @@ def load_draft(path: str | Path, dtype):
 
 def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None = None, *, dtype: str = "bfloat16",
                 spec: str | None = None, block_size: int | None = None, verify_policy: str = "fixed",
-                chunk_steps: int = 16, max_context: int | None = None, quiet: bool = False) -> Engine:
-    """checkpoint None = the embedded default model (and its draft unless `draft` is given)."""
+                chunk_steps: int = 16, max_context: int | None = None, quiet: bool = False,
+                mesh: str | None = None) -> Engine:
+    """checkpoint None = the embedded default model (and its draft unless `draft` is given).
+
+    mesh: 'tp=N[,ep=M]' (lingjax.sharding.parse_mesh) to split the target and draft over N*M
+    devices (heads / vocab / expert intermediate over tp, experts over ep); None = one device."""
     if dtype not in DTYPES:
         raise LoadError(f"unknown dtype {dtype!r}; choose from bfloat16, float32, float64")
     jdtype = DTYPES[dtype]
@@ -60,6 +64,14 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
     if draft is not None:
         _log(f"loading draft {draft} ...", quiet)
         drafter = load_draft(draft, jdtype)
+    if mesh is not None:
+        from lingjax import sharding
+        tp, ep = sharding.parse_mesh(mesh)
+        m = sharding.make_mesh(tp, ep)
+        sharding.shard_model(target, m)
+        if drafter is not None:
+            sharding.shard_model(drafter, m)
+        _log(f"sharded over mesh tp={tp} x ep={ep}", quiet)
     method = spec or ("dspark" if drafter is not None else "none")
     if method == "dspark" and drafter is None:
         raise LoadError("--spec dspark needs a draft: pass --draft DIR (DSpark checkpoint)")

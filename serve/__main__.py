@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["bfloat16", "float32", "float64"], default="bfloat16")
     ap.add_argument("--chunk-steps", type=int, default=16,
                     help="speculative steps per device chunk (streaming and cancellation granularity)")
+    ap.add_argument("--mesh", default=None, help="split over devices: 'tp=N[,ep=M]' (default: one device)")
     ap.add_argument("--max-context", type=int, default=None,
                     help="context length in tokens (default: the model's max_position_embeddings)")
     ap.add_argument("--tokenizer", metavar="DIR", help="load tokenizer.json (+ chat template) from DIR instead")
@@ -60,11 +61,13 @@ def engine_factory(args):
         import jax
         if args.dtype == "float64":
             jax.config.update("jax_enable_x64", True)
+        if args.dtype != "bfloat16":  # float32 means float32: no TF32 matmuls on GPU
+            jax.config.update("jax_default_matmul_precision", "highest")
         from lingjax.engine import Engine
         from lingjax.loader import load_engine
         engine = load_engine(args.checkpoint, args.draft, dtype=args.dtype, spec=args.spec,
                              block_size=args.block_size, verify_policy=args.verify_policy,
-                             chunk_steps=args.chunk_steps, max_context=args.max_context)
+                             chunk_steps=args.chunk_steps, max_context=args.max_context, mesh=args.mesh)
         tok = None
         if args.tokenizer_byte_level:
             from serve.testing import byte_level_tokenizer

@@ -124,3 +124,17 @@ def test_stop_string_cuts_text_and_tokens():
     assert r.finish_reason == "stop" and r.text == full.text[:cut]
     assert r.token_ids == ids[: len(r.token_ids)] and len(r.token_ids) < len(ids)
     assert eng.tokenizer.decode(r.token_ids).endswith(stop)
+
+
+def test_mesh_flag_gives_identical_tokens_and_clear_errors():
+    plain = gen_json("--draft", str(DSPARK_TINY))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    args = ["--checkpoint", str(LING_TINY), "--draft", str(DSPARK_TINY), "--prompt-ids", IDS, "--max-tokens", "12",
+            "--dtype", "float32", "--json"]
+    r = subprocess.run([sys.executable, "-m", "lingjax.generate", *args, "--mesh", "tp=2"], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == plain["token_ids"]
+    r = run_cli(*args, "--mesh", "tp=2")            # one device only
+    assert r.returncode == 1 and "tp*ep must equal the device count" in r.stderr
