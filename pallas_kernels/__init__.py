@@ -1,6 +1,6 @@
-"""Pallas Mosaic GPU kernels (one file per kernel family, each beside its XLA reference in
-`lingjax/ops/`, each runnable in interpret mode and cross-lowered for CUDA in CI).
+"""Pallas Mosaic GPU kernels (one file per kernel family, each tested against its XLA reference in
+`lingjax/ops/` in interpret mode and cross-lowered for CUDA in CI).
 
-Empty so far: the KDA kernels and the weights-streaming MoE / skinny-GEMM kernels are the next
-issues; the model runs on the pure-XLA references in `lingjax/ops/` until they land.
+So far: `kda_decode` (fused KDA recurrence for decode / verify blocks), not yet run on the H200 and
+not yet wired into the model; the model runs on the pure-XLA references until the kernels land.
 """
