@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="size of the bandwidth-probe array (default 1024 MiB on GPU, 64 on CPU)")
     ap.add_argument("--profile", metavar="DIR", help="jax.profiler trace of the timed requests")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    ap.add_argument("--mesh", default=None,
+                    help="split over devices: 'tp=N[,ep=M]'; random weights are then created directly in their shards")
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
     return ap
 
@@ -189,6 +191,13 @@ def main(argv=None) -> dict:
     # ---- models ---------------------------------------------------------------------------------
     t0 = time.perf_counter()
     draft = None
+    mesh = None
+    if a.mesh:
+        from lingjax import sharding
+        try:
+            mesh = sharding.make_mesh(*sharding.parse_mesh(a.mesh))
+        except ValueError as e:
+            ap.error(str(e))
     try:
         if a.checkpoint:
             from lingjax.checkpoint import load_model
@@ -198,11 +207,22 @@ def main(argv=None) -> dict:
                 draft = load_draft(a.draft, dt)
         else:
             with_mtp = a.spec == "mtp"
-            target = nnx.jit(lambda: LingModel(cfg, dtype=dt, rngs=nnx.Rngs(0), with_mtp=with_mtp))()
+            if mesh is not None:
+                target = sharding.random_init_sharded(
+                    lambda: LingModel(cfg, dtype=dt, rngs=nnx.Rngs(0), with_mtp=with_mtp), mesh, seed=0)
+            else:
+                target = nnx.jit(lambda: LingModel(cfg, dtype=dt, rngs=nnx.Rngs(0), with_mtp=with_mtp))()
         if a.spec == "dspark" and draft is None:
             from lingjax.model.dspark import DSparkDraft
             dcfg_r = draft_config_for(cfg, a.block_size)
-            draft = nnx.jit(lambda: DSparkDraft(dcfg_r, dtype=dt, rngs=nnx.Rngs(1)))()
+            if mesh is not None:
+                draft = sharding.random_init_sharded(lambda: DSparkDraft(dcfg_r, dtype=dt, rngs=nnx.Rngs(1)), mesh, seed=1)
+            else:
+                draft = nnx.jit(lambda: DSparkDraft(dcfg_r, dtype=dt, rngs=nnx.Rngs(1)))()
+        if mesh is not None and a.checkpoint:
+            sharding.shard_model(target, mesh)
+            if draft is not None:
+                sharding.shard_model(draft, mesh)
         block(nnx.state(target))
         if draft is not None:
             block(nnx.state(draft))

@@ -222,3 +222,38 @@ def describe(model, mesh: Mesh, rules=None) -> list[tuple[str, tuple, P]]:
     """(path, global shape, spec) of every variable: for logging / --mesh dry runs."""
     sh = param_shardings(model, mesh, rules)
     return [(_path_str(p), tuple(v.shape), sh[tuple(p)].spec) for p, v in _flat_vars(model)]
+
+
+def random_init_sharded(build, mesh: Mesh, rules: Mapping[str, str | None] | None = None, *, seed: int = 0):
+    """Build `build()` (a module constructor) with random weights created directly in their shards:
+    no device ever holds a whole parameter, so models larger than one GPU can be benchmarked.
+
+    Values are for benchmarks only (not the modules' own init): 1-D norm weights are ones,
+    A_log / dt_bias / expert_bias zeros, other parameters normal with std fan_in^-1/2.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    abstract = nnx.eval_shape(build)
+    shardings = param_shardings(abstract, mesh, rules)
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    fns = {}
+    for i, (path, var) in enumerate(sorted(flat.items(), key=lambda kv: _path_str(kv[0]))):
+        shape, dtype, name = tuple(var.shape), jnp.dtype(var.dtype), str(path[-1])
+        kind = ("zeros" if name in ("A_log", "dt_bias", "expert_bias")
+                else "ones" if len(shape) == 1 else "normal")
+        key = (shape, dtype, kind, shardings[tuple(path)])
+        if key not in fns:
+            std = float(shape[0]) ** -0.5 if len(shape) > 1 else 1.0
+
+            def make(k, shape=shape, dtype=dtype, kind=kind, std=std):
+                if kind == "zeros":
+                    return jnp.zeros(shape, dtype)
+                if kind == "ones":
+                    return jnp.ones(shape, dtype)
+                return (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+            fns[key] = jax.jit(make, out_shardings=shardings[tuple(path)])
+        var.set_value(fns[key](jax.random.key(seed * 100003 + i)))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -86,3 +86,20 @@ def test_roofline_flash_numbers():
     assert spec.tokens == 9 and spec.total > one.total and spec.draft > 0
     half = roofline.step_bytes(cfg.replace(num_hidden_layers=21), "bf16", "none", context=9216)
     assert half.weights < 0.6 * one.weights
+
+
+def test_mesh_random_weights_created_in_shards(tmp_path):
+    """--mesh on 2 forced CPU devices: weights built shard by shard, the run completes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    r = subprocess.run([sys.executable, "-m", "bench.batch1", "--tiny", "--input-len", "32", "--output-len", "8",
+                        "--num-prompts", "1", "--spec", "dspark", "--forced-accept", "3", "--mesh", "tp=2",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rec["env"]["n_devices"] == 2 and abs(rec["accept_length"] - 3.0) <= 0.5
