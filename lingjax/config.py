@@ -169,12 +169,7 @@ class LingConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "LingConfig":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.exists():
-            raise ConfigError(f"no config.json at {path}")
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_config_json(path, ConfigError, "config.json"))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -204,6 +199,16 @@ class LingConfig:
              "Ling-3.0 KDA/MLA use num_key_value_heads == num_attention_heads")
         need(self.short_conv_kernel_size >= 1, "short_conv_kernel_size must be >= 1")
         need(self.kda_lower_bound < 0, "kda_lower_bound must be negative")
+
+
+def read_config_json(path: str | Path, error=ValueError, what: str = "config.json") -> dict[str, Any]:
+    """The dict of a config.json given the file or its directory; `error` names a missing file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise error(f"no {what} at {path}")
+    return json.loads(path.read_text())
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:

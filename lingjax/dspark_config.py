@@ -9,9 +9,10 @@ accepted, nested values win over top-level ones. See spec/dspark.md.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Mapping
+
+from lingjax.config import read_config_json
 
 # Keys that may sit in a nested `dspark_config` / `dflash_config` dict.
 _NESTED_KEYS = ("dspark_config", "dflash_config")
@@ -113,12 +114,7 @@ class DSparkConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DSparkConfig":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.exists():
-            raise DSparkConfigError(f"no draft config.json at {path}")
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_config_json(path, DSparkConfigError, "draft config.json"))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

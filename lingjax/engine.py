@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lingjax.cache import init_cache
 from lingjax.model.ling import LingModel
 from lingjax.sampling import SamplingArrays, SamplingParams
 from lingjax.spec_decode import FINISH_LENGTH, FINISH_NAMES, FINISH_RUNNING, FINISH_STOP, Decoder, DraftOverride, SpecConfig
@@ -94,11 +95,11 @@ class Engine:
             self._step_costs[spec] = jnp.asarray(measure_verify_costs(self.target, spec.widths), jnp.float32)
         return self._step_costs[spec]
 
-    def prompt_bucket(self, n: int, max_new: int, spec: SpecConfig) -> int:
+    @staticmethod
+    def prompt_bucket(n: int) -> int:
         """Compiled prompt length for an n-token prompt: the next power of two (>= 16), so a server
         compiles O(log context) prefills instead of one per prompt length. The padding is masked
         (`valid_len`): KDA states skip it and its MLA entries are overwritten before use."""
-        del max_new, spec
         return _bucket(n)
 
     # ---- inputs -------------------------------------------------------------------------------
@@ -149,7 +150,7 @@ class Engine:
         dec = self.decoder(spec, sampling.greedy, stop_token_sequences)
         samp = SamplingArrays.from_params(sampling)
         cost = self.step_costs(spec)
-        padded = ids + [0] * (self.prompt_bucket(len(ids), max_new, spec) - len(ids))
+        padded = ids + [0] * (self.prompt_bucket(len(ids)) - len(ids))
         state = dec.prefill(dec.params, jnp.asarray([padded], jnp.int32), _bucket(max_new), jnp.int32(max_new),
                             jax.random.key(sampling.seed), samp, cost, prompt_len=jnp.int32(len(ids)))
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
@@ -221,7 +222,6 @@ class Engine:
 
     def prompt_logits(self, prompt: str | Sequence[int]) -> np.ndarray:
         """float32 logits [T, V] of every prompt position (one prefill)."""
-        from lingjax.cache import init_cache
         ids = self.encode_prompt(prompt)
         if len(ids) > self.max_context:
             raise RequestError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_context}")
@@ -240,7 +240,6 @@ def measure_verify_costs(target: LingModel, widths: Sequence[int], context: int 
     """Wall time of a verify forward over n+1 tokens for each n in widths, normalised to the
     smallest. The draft pass costs the same at every width, so it does not change the ranking
     much and is not included."""
-    from lingjax.cache import init_cache
     graph, params = nnx.split(target)
 
     @jax.jit

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from lingjax import sampling
-from lingjax.cache import LingCache
+from lingjax.cache import LingCache, init_cache
 from lingjax.model.ling import LingModel, commit
 
 FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
@@ -318,7 +318,6 @@ class Decoder:
 
 
 def _init_cache(target: LingModel, max_len: int) -> LingCache:
-    from lingjax.cache import init_cache
     return init_cache(target.cfg, 1, max_len, target.dtype, with_mtp=target.mtp is not None)
 
 
