@@ -188,7 +188,8 @@ class Decoder:
                            accept_hist=s.accept_hist.at[0].add(1))
             return self._check_stop(s, jnp.zeros((1,), jnp.int32) + tok, jnp.int32(1), s.n_out)
 
-        drafts, q, conf = self._draft(target, draft, s, k_draft, samp)
+        with jax.named_scope("draft"):
+            drafts, q, conf = self._draft(target, draft, s, k_draft, samp)
         if override is not None:
             drafts = _apply_override(override, s.cache.pos, s.steps, drafts, target.cfg.vocab_size)
             q = None
@@ -240,10 +241,11 @@ class Decoder:
         tokens = jnp.concatenate([s.anchor[None], drafts[:n]])[None]
         out = target(tokens, s.cache, logits="all", tap_layers=self.tap_layers, pending=True)
         logits = out.logits[0]
-        if self.greedy:
-            a, bonus = sampling.accept_greedy(logits, drafts[:n], n)
-        else:
-            a, bonus = sampling.accept_sample(key, logits, drafts[:n], None if q is None else q[:n], n, samp)
+        with jax.named_scope("accept"):
+            if self.greedy:
+                a, bonus = sampling.accept_greedy(logits, drafts[:n], n)
+            else:
+                a, bonus = sampling.accept_sample(key, logits, drafts[:n], None if q is None else q[:n], n, samp)
         if override is not None:
             k = override.pattern[s.steps % override.pattern.shape[0]]
             fa = jnp.where(k < 0, n, jnp.minimum(k, n)).astype(jnp.int32)
@@ -255,11 +257,12 @@ class Decoder:
         padded = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)])
         committed = jnp.where(jnp.arange(b + 1) < a, padded, bonus)   # [d_1..d_a, bonus, ...]
         draft_cache, mtp_hidden = s.draft_cache, s.mtp_hidden
-        if self.spec.method == "dspark":
-            draft_cache = draft.append_context(s.draft_cache, out.taps, p, count=a + 1)
-        if self.spec.method == "mtp":
-            h, cache = target.mtp_forward(out.hidden, committed[None, :n + 1], cache, pos=p)
-            mtp_hidden = jax.lax.dynamic_slice_in_dim(h, a, 1, axis=1)
+        with jax.named_scope("draft"):           # the drafter's share of the commit
+            if self.spec.method == "dspark":
+                draft_cache = draft.append_context(s.draft_cache, out.taps, p, count=a + 1)
+            if self.spec.method == "mtp":
+                h, cache = target.mtp_forward(out.hidden, committed[None, :n + 1], cache, pos=p)
+                mtp_hidden = jax.lax.dynamic_slice_in_dim(h, a, 1, axis=1)
         s = s._replace(cache=cache, draft_cache=draft_cache, mtp_hidden=mtp_hidden, anchor=bonus)
         return s, jnp.int32(n), a, committed
 

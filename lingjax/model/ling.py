@@ -32,12 +32,14 @@ class DecoderLayer(nnx.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, h, cache, pos, *, pending: bool = False, valid_len=None):
-        if self.kind == "mla":
-            a, cache = self.attn(self.input_norm(h), cache, pos)
-        else:
-            a, cache = self.attn(self.input_norm(h), cache, pending=pending, valid_len=valid_len)
+        with jax.named_scope(self.kind):          # profile component: 'kda' | 'mla'
+            if self.kind == "mla":
+                a, cache = self.attn(self.input_norm(h), cache, pos)
+            else:
+                a, cache = self.attn(self.input_norm(h), cache, pending=pending, valid_len=valid_len)
         h = h + a
-        return h + self.mlp(self.post_norm(h)), cache
+        with jax.named_scope("moe" if isinstance(self.mlp, MoE) else "dense_mlp"):
+            return h + self.mlp(self.post_norm(h)), cache
 
 
 class MTPLayer(nnx.Module):
@@ -82,12 +84,14 @@ class LingModel(nnx.Module):
         self.mtp = MTPLayer(cfg, dtype=dtype, rngs=rngs) if with_mtp else None
 
     def embed_tokens(self, tokens):
-        return jnp.take(self.embed[...], tokens, axis=0)
+        with jax.named_scope("embed"):
+            return jnp.take(self.embed[...], tokens, axis=0)
 
     def logits(self, hidden):
         """hidden [..., D] (final-normed) -> fp32 (acc) logits [..., V]."""
         acc = acc_dtype(hidden.dtype)
-        return jnp.dot(hidden, self.lm_head[...], preferred_element_type=acc)
+        with jax.named_scope("lm_head"):
+            return jnp.dot(hidden, self.lm_head[...], preferred_element_type=acc)
 
     def __call__(self, tokens, cache: LingCache, *, logits: str = "all", tap_layers: tuple[int, ...] = (),
                  pending: bool = False, return_all_hidden: bool = False, valid_len=None) -> ForwardOut:
@@ -150,5 +154,6 @@ def commit(verified: LingCache, pending: tuple, n, start_pos) -> LingCache:
     verified: the cache returned by a pending forward (MLA entries already written; KDA layers
     still at the block start); pending: its per-layer KDAPending (None for MLA layers).
     """
-    layers = tuple(c if p is None else commit_prefix(p, n) for c, p in zip(verified.layers, pending))
+    with jax.named_scope("commit"):
+        layers = tuple(c if p is None else commit_prefix(p, n) for c, p in zip(verified.layers, pending))
     return LingCache(layers, verified.mtp, (start_pos + n).astype(jnp.int32))
