@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,9 +29,6 @@ from pathlib import Path
 from lingjax import xla_env
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "ling3-tiny" / "config.json"
-FP8_MSG = ("--dtype fp8: fp8 weight-only inference is not supported yet: the model has no fp8 "
-           "parameters (checkpoints are dequantised on load); it needs the fp8 weights support of the "
-           "kernel issue. Use --dtype bf16.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--config-json", help="random weights for this config.json (small test configs)")
     src.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)   # tests: tests/data/ling3-tiny
     ap.add_argument("--draft", help="DSpark draft checkpoint directory (--spec dspark with --checkpoint)")
-    ap.add_argument("--dtype", choices=["bf16", "f32", "fp8"], default="bf16")
+    ap.add_argument("--dtype", choices=["bf16", "f32", "fp8"], default="bf16",
+                    help="weights: bf16, f32, or fp8 = weight-only block fp8 (128x128 scales, the published "
+                         "FP8 format; bf16 activations; needs a converted fp8 checkpoint or --random-weights)")
     ap.add_argument("--layers", type=int, default=None, help="depth-reduced model (random weights only)")
     ap.add_argument("--spec", choices=["none", "mtp", "dspark"], default="none")
     ap.add_argument("--block-size", type=int, default=8, help="drafts per speculative step")
@@ -65,8 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(ap, a) -> None:
     """Flag errors that need no model: exit 2 via ap.error."""
-    if a.dtype == "fp8":
-        ap.error(FP8_MSG)
     if not (a.checkpoint or a.random_weights or a.config_json or a.tiny):
         ap.error("choose a model: --checkpoint DIR or --random-weights")
     if a.input_len < 1 or a.output_len < 2 or a.num_prompts < 1:
@@ -157,6 +155,8 @@ def main(argv=None) -> dict:
     _check_args(ap, a)
     if not a.no_xla_defaults:
         xla_env.configure()
+    # a full-size fp8 model (~127 GB) needs more than JAX's default 75% preallocation of an H200
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -169,7 +169,9 @@ def main(argv=None) -> dict:
     from lingjax.sampling import SamplingArrays, SamplingParams
     from lingjax.spec_decode import Decoder, DraftOverride, SpecConfig
 
-    dt = {"bf16": jnp.bfloat16, "f32": jnp.float32}[a.dtype]
+    from lingjax.quant import quantize_model
+    dt = {"bf16": jnp.bfloat16, "f32": jnp.float32, "fp8": jnp.bfloat16}[a.dtype]   # compute dtype
+    fp8 = a.dtype == "fp8"
     # ---- config (validated before any weight is built) ------------------------------------------
     try:
         if a.checkpoint:
@@ -200,25 +202,31 @@ def main(argv=None) -> dict:
             ap.error(str(e))
     try:
         if a.checkpoint:
-            from lingjax.checkpoint import load_model
-            target = load_model(a.checkpoint, dt)
+            from lingjax.checkpoint import ConvertedCheckpointError, load_model
+            try:
+                target = load_model(a.checkpoint, dt, fp8_weights=fp8)
+            except ConvertedCheckpointError as e:
+                print(f"error: {e}", file=sys.stderr)
+                raise SystemExit(2)
             if a.draft:
                 from lingjax.loader import load_draft
                 draft = load_draft(a.draft, dt)
         else:
+            # parameter by parameter, each created on its device(s): a full-size model never
+            # exists in another dtype or on the host (fp8: quantised layout built abstractly)
+            from lingjax import sharding
+            init_mesh = mesh if mesh is not None else sharding.make_mesh(1, 1, jax.devices()[:1])
             with_mtp = a.spec == "mtp"
-            if mesh is not None:
-                target = sharding.random_init_sharded(
-                    lambda: LingModel(cfg, dtype=dt, rngs=nnx.Rngs(0), with_mtp=with_mtp), mesh, seed=0)
-            else:
-                target = nnx.jit(lambda: LingModel(cfg, dtype=dt, rngs=nnx.Rngs(0), with_mtp=with_mtp))()
+
+            def build_target():
+                m = LingModel(cfg, dtype=dt, rngs=nnx.Rngs(0), with_mtp=with_mtp)
+                return quantize_model(m) if fp8 else m
+            target = sharding.random_init_sharded(build_target, init_mesh, seed=0)
         if a.spec == "dspark" and draft is None:
             from lingjax.model.dspark import DSparkDraft
             dcfg_r = draft_config_for(cfg, a.block_size)
-            if mesh is not None:
-                draft = sharding.random_init_sharded(lambda: DSparkDraft(dcfg_r, dtype=dt, rngs=nnx.Rngs(1)), mesh, seed=1)
-            else:
-                draft = nnx.jit(lambda: DSparkDraft(dcfg_r, dtype=dt, rngs=nnx.Rngs(1)))()
+            draft = sharding.random_init_sharded(lambda: DSparkDraft(dcfg_r, dtype=dt, rngs=nnx.Rngs(1)),
+                                                 init_mesh, seed=1)
         if mesh is not None and a.checkpoint:
             sharding.shard_model(target, mesh)
             if draft is not None:

@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from checkpoints_convert.fp8 import FP8, dequantize, quantize_block_fp8
-from checkpoints_convert.layout import Matrix
+from lingjax.param_layout import Matrix
 from checkpoints_convert.source import SourceReader
 from checkpoints_convert.specs import ParamSpec
 from checkpoints_convert.validate import Source

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from checkpoints_convert.layout import (DRAFT_HIGH_PRECISION, DRAFT_LAYOUTS, LING_HIGH_PRECISION, Conv,
+from lingjax.param_layout import (DRAFT_HIGH_PRECISION, DRAFT_LAYOUTS, LING_HIGH_PRECISION, Conv,
                                         Matrix, Vector, ling_layout)
 from lingjax.checkpoint import param_key
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from checkpoints_convert.layout import Matrix
+from lingjax.param_layout import Matrix
 from checkpoints_convert.source import FLOAT_DTYPES, FP8_DTYPE, SourceReader
 from checkpoints_convert.specs import ParamSpec
 

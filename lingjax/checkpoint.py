@@ -19,8 +19,9 @@ manifest as `fp8 = {stack, in, out, block}` (axis lists of the stored array): pe
 (stack axes, in axes, out axes) and flatten to [*stack_dims, IN, OUT]; `scale_inv` is
 [*stack_dims, ceil(IN/block[0]), ceil(OUT/block[1])] and multiplies each block of that view. Each
 [IN, OUT] matrix is one published [out, in] weight transposed, so its scales are the published
-`weight_scale_inv` transposed. Until fp8 kernels exist, loading dequantises (float32 product, then
-a cast) to the requested dtype: the model has no fp8 parameters yet.
+`weight_scale_inv` transposed. Loading dequantises (float32 product, then a cast) to the requested
+dtype, or, with `fp8_weights=True`, keeps values and scales as the model's block-fp8 weights
+(`lingjax.quant.Fp8Weight`, which uses the same matrix view).
 """
 from __future__ import annotations
 
@@ -166,36 +167,59 @@ def _fill(abstract: nnx.Module, directory: Path, manifest: dict, shardings) -> n
     A parameter with a sharding in `shardings` is read shard-wise onto its devices (fp8:
     dequantised there under jit). Any other one is read on the host and converted with numpy,
     then placed like the direct HF loader does (`jnp.asarray`), so both give identical arrays.
+    A model with block-fp8 weights (`lingjax.quant.Fp8Weight`: variables `<key>.values` and
+    `<key>.scale_inv`) gets the stored fp8 values and scales as they are.
     """
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
     by_key = {param_key(p): p for p in flat}
+    fp8_keys = {k[: -len(".values")] for k in by_key if k.endswith(".values")}
+    model_keys = (set(by_key) - {f"{k}.values" for k in fp8_keys} - {f"{k}.scale_inv" for k in fp8_keys}) | fp8_keys
     params = manifest["params"]
-    missing = sorted(set(by_key) - set(params))
-    extra = sorted(set(params) - set(by_key))
+    missing = sorted(model_keys - set(params))
+    extra = sorted(set(params) - model_keys)
     if missing or extra:
         raise ConvertedCheckpointError(
             f"{directory}: checkpoint does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+    not_fp8 = sorted(k for k in fp8_keys if "fp8" not in params[k])
+    if not_fp8:
+        raise ConvertedCheckpointError(
+            f"{directory}: not fp8-ready: {len(not_fp8)} matrices (e.g. {not_fp8[0]}) are stored as "
+            f"{params[not_fp8[0]]['dtype']}; convert with `python -m checkpoints_convert ... --dtype fp8` (or "
+            f"`--dtype keep` from the published FP8 checkpoint) to run fp8 weights")
     parts: dict[str, list[str]] = {}
     for key, meta in params.items():
         parts.setdefault(meta["part"], []).append(key)
     for part, keys in parts.items():
         entries, targets = {}, {}
         for key in keys:
-            meta, want = params[key], flat[by_key[key]].get_value()
+            meta = params[key]
+            keep_fp8 = key in fp8_keys
+            path = by_key[f"{key}.values" if keep_fp8 else key]
+            want = flat[path].get_value()
             if tuple(meta["shape"]) != tuple(want.shape):
                 raise ConvertedCheckpointError(f"{directory}: {key} has shape {tuple(meta['shape'])}, the model "
                                                f"expects {tuple(want.shape)} (converted for another config?)")
-            sh = (shardings or {}).get(by_key[key])
+            sh = (shardings or {}).get(path)
             targets[key] = (sh, want.dtype)
             fp8 = meta.get("fp8")
             entries[key] = (meta["shape"], meta["dtype"] if fp8 else want.dtype, sh)
             if fp8:
-                entries[key + SCALE_SUFFIX] = (fp8["scale_shape"], "float32", None if sh is None else _replicated_like(sh))
+                scale_sh = (shardings or {}).get(by_key[f"{key}.scale_inv"]) if keep_fp8 else None
+                if scale_sh is None and sh is not None:
+                    scale_sh = _replicated_like(sh)
+                entries[key + SCALE_SUFFIX] = (fp8["scale_shape"], "float32", scale_sh)
         arrays = _restore_part(directory / PARAMS_DIR / part, entries)
         for key in keys:
             sh, dtype = targets[key]
             arr, fp8 = arrays.pop(key), params[key].get("fp8")
+            if key in fp8_keys:
+                _check_fp8_view(directory, key, fp8, abstract)
+                scale = arrays.pop(key + SCALE_SUFFIX)
+                for leaf, a in (("values", arr), ("scale_inv", scale)):
+                    v = flat[by_key[f"{key}.{leaf}"]]
+                    v.set_value(a if isinstance(a, jax.Array) else jnp.asarray(np.asarray(a).astype(v.get_value().dtype)))
+                continue
             if fp8:
                 scale = arrays.pop(key + SCALE_SUFFIX)
                 if sh is None:
@@ -209,6 +233,18 @@ def _fill(abstract: nnx.Module, directory: Path, manifest: dict, shardings) -> n
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def _check_fp8_view(directory, key: str, fp8: Mapping[str, Any], abstract) -> None:
+    """The stored matrix view and block must be the ones the model's Fp8Weight dequantises with."""
+    owner = abstract
+    for p in key.split("."):
+        owner = owner[int(p)] if p.isdigit() else getattr(owner, p)
+    stored = (tuple(fp8["stack"]), tuple(fp8["in"]), tuple(fp8["out"]), tuple(fp8["block"]))
+    model = (owner.view.stack, owner.view.in_, owner.view.out, owner.block)
+    if stored != model:
+        raise ConvertedCheckpointError(f"{directory}: {key} is stored with fp8 view/block {stored}, the model "
+                                       f"uses {model}")
+
+
 def _open(directory, kind: str) -> tuple[Path, dict]:
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -218,20 +254,40 @@ def _open(directory, kind: str) -> tuple[Path, dict]:
     return directory, manifest
 
 
-def load_converted(directory, dtype=None, *, shardings: Mapping[tuple, Any] | None = None):
+def load_converted(directory, dtype=None, *, shardings: Mapping[tuple, Any] | None = None,
+                   fp8_weights: bool = False):
     """LingModel from a converted checkpoint, restored into an `nnx.eval_shape` abstract model.
 
-    dtype: model dtype (default: the manifest's `default_dtype`). shardings: optional
+    dtype: model (compute) dtype (default: the manifest's `default_dtype`). shardings: optional
     {param path tuple: jax.sharding.Sharding}; each array is restored directly with that sharding
-    (each device reads only its shard). fp8 parameters are dequantised to `dtype` on load.
+    (each device reads only its shard). fp8 parameters are dequantised to `dtype` on load, unless
+    fp8_weights: then the model keeps them as block fp8 (`lingjax.quant`), and a checkpoint that
+    is not fp8-ready is an error. Shardings for an fp8 model come from `abstract_model(...)`.
     """
+    directory, manifest = _open(directory, "ling")
+    abstract = abstract_model(directory, dtype, fp8_weights=fp8_weights, manifest=manifest)
+    return _fill(abstract, directory, manifest, shardings)
+
+
+def abstract_model(directory, dtype=None, *, fp8_weights: bool = False, manifest: dict | None = None):
+    """The `nnx.eval_shape` LingModel a converted checkpoint restores into (for computing shardings)."""
     from lingjax.config import LingConfig
     from lingjax.model.ling import LingModel
-    directory, manifest = _open(directory, "ling")
+    from lingjax.quant import quantize_model
+    directory = Path(directory)
+    manifest = manifest or read_manifest(directory)
     cfg = LingConfig.from_json(directory / "config.json")
     dtype = jnp.dtype(manifest["default_dtype"] if dtype is None else dtype)
-    abstract = nnx.eval_shape(lambda: LingModel(cfg, dtype=dtype, with_mtp=manifest["with_mtp"]))
-    return _fill(abstract, directory, manifest, shardings)
+    if fp8_weights and dtype == jnp.float8_e4m3fn:
+        raise ConvertedCheckpointError("fp8_weights: dtype is the compute dtype (bfloat16), not fp8")
+    if fp8_weights and dtype.itemsize == 1:
+        dtype = jnp.dtype(jnp.bfloat16)
+    block = tuple(manifest.get("fp8_block") or (128, 128))
+
+    def build():
+        m = LingModel(cfg, dtype=dtype, with_mtp=manifest["with_mtp"])
+        return quantize_model(m, block) if fp8_weights else m
+    return nnx.eval_shape(build)
 
 
 def load_converted_draft(directory, dtype=None, *, shardings: Mapping[tuple, Any] | None = None):
@@ -245,15 +301,22 @@ def load_converted_draft(directory, dtype=None, *, shardings: Mapping[tuple, Any
     return _fill(abstract, directory, manifest, shardings)
 
 
-def load_model(directory, dtype=None, *, shardings: Mapping[tuple, Any] | None = None, with_mtp: bool | None = None):
+def load_model(directory, dtype=None, *, shardings: Mapping[tuple, Any] | None = None, with_mtp: bool | None = None,
+               fp8_weights: bool = False):
     """LingModel from either a converted checkpoint or a Hugging Face checkpoint directory.
 
     HF directories default to bfloat16 and read the fp8 block size from the config's
     `quantization_config.weight_block_size` (default 128x128); `with_mtp` applies to HF directories
-    only (a converted checkpoint has the MTP layer iff it was converted with one).
+    only (a converted checkpoint has the MTP layer iff it was converted with one). fp8_weights
+    (block-fp8 weight-only inference) needs a converted fp8 checkpoint.
     """
     if is_converted_checkpoint(directory):
-        return load_converted(directory, dtype, shardings=shardings)
+        return load_converted(directory, dtype, shardings=shardings, fp8_weights=fp8_weights)
+    if fp8_weights:
+        raise ConvertedCheckpointError(
+            f"{directory}: fp8 weights are loaded from converted checkpoints only: run "
+            f"`python -m checkpoints_convert {directory} OUT --dtype keep` (published FP8 checkpoint) or "
+            f"`--dtype fp8`, then use OUT")
     from lingjax.config import LingConfig
     from lingjax.model.ling import LingModel
     from lingjax.safetensors_io import CheckpointReader

@@ -118,7 +118,8 @@ def _flat_vars(model_or_state):
     return nnx.to_flat_state(state)
 
 
-def _logical(var):
+def variable_logical(var):
+    """The `logical` axis names of an nnx Variable (None if it has none)."""
     try:
         meta = var.get_metadata()
     except AttributeError:
@@ -133,7 +134,7 @@ def param_shardings(model_or_abstract, mesh: Mesh, rules: Mapping[str, str | Non
     out = {}
     for path, var in _flat_vars(model_or_abstract):
         shape = tuple(var.shape) if hasattr(var, "shape") else tuple(np.shape(var.get_value()))
-        logical = _logical(var)
+        logical = variable_logical(var)
         if logical is None:
             spec = P()
         else:
@@ -229,7 +230,8 @@ def random_init_sharded(build, mesh: Mesh, rules: Mapping[str, str | None] | Non
     no device ever holds a whole parameter, so models larger than one GPU can be benchmarked.
 
     Values are for benchmarks only (not the modules' own init): 1-D norm weights are ones,
-    A_log / dt_bias / expert_bias zeros, other parameters normal with std fan_in^-1/2.
+    A_log / dt_bias / expert_bias zeros, other parameters normal with std fan_in^-1/2; block-fp8
+    weights (lingjax.quant) get N(0, 1) values and a constant scale fan_in^-1/2.
     """
     import jax
     import jax.numpy as jnp
@@ -243,17 +245,27 @@ def random_init_sharded(build, mesh: Mesh, rules: Mapping[str, str | None] | Non
     for i, (path, var) in enumerate(sorted(flat.items(), key=lambda kv: _path_str(kv[0]))):
         shape, dtype, name = tuple(var.shape), jnp.dtype(var.dtype), str(path[-1])
         kind = ("zeros" if name in ("A_log", "dt_bias", "expert_bias")
+                else "fp8_scale" if name == "scale_inv"
                 else "ones" if len(shape) == 1 else "normal")
         key = (shape, dtype, kind, shardings[tuple(path)])
         if key not in fns:
             std = float(shape[0]) ** -0.5 if len(shape) > 1 else 1.0
+            if kind == "fp8_scale":     # block-fp8 weight: values ~ N(0, 1), scale = fan_in^-1/2
+                std = float(shape[-2] * 128) ** -0.5
+            elif dtype.itemsize == 1:
+                std = 1.0
 
             def make(k, shape=shape, dtype=dtype, kind=kind, std=std):
                 if kind == "zeros":
                     return jnp.zeros(shape, dtype)
                 if kind == "ones":
                     return jnp.ones(shape, dtype)
-                return (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+                if kind == "fp8_scale":
+                    return jnp.full(shape, std, dtype)
+                # bf16 randoms for 1-byte and 2-byte weights: halves the temporary of the largest
+                # tensors (full-size experts: 4 GB, not 8), which matters when the model fills the GPU
+                rnd_dtype = jnp.float32 if dtype.itemsize > 2 else jnp.bfloat16
+                return (std * jax.random.normal(k, shape, rnd_dtype)).astype(dtype)
             fns[key] = jax.jit(make, out_shardings=shardings[tuple(path)])
         var.set_value(fns[key](jax.random.key(seed * 100003 + i)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -19,9 +19,10 @@ KEYS = {"ttft_ms", "tpot_ms", "itl_ms", "output_throughput_tok_s", "accept_lengt
         "peak_device_bytes", "roofline", "ms_per_step", "ms_per_layer_step", "flags"}
 
 
-@pytest.mark.parametrize("spec,tau,block", [("none", None, 8), ("mtp", 2.5, 4), ("dspark", 3.0, 4)])
-def test_batch1_smoke(tmp_path, capsys, spec, tau, block):
-    argv = BASE + ["--spec", spec, "--block-size", str(block), "--out", str(tmp_path)]
+@pytest.mark.parametrize("spec,tau,block,dtype", [("none", None, 8, "bf16"), ("mtp", 2.5, 4, "bf16"),
+                                                   ("dspark", 3.0, 4, "bf16"), ("dspark", 3.0, 4, "fp8")])
+def test_batch1_smoke(tmp_path, capsys, spec, tau, block, dtype):
+    argv = BASE + ["--spec", spec, "--block-size", str(block), "--out", str(tmp_path), "--dtype", dtype]
     if tau is not None:
         argv += ["--forced-accept", str(tau)]
     rec = batch1.main(argv)
@@ -42,7 +43,6 @@ def test_batch1_smoke(tmp_path, capsys, spec, tau, block):
 
 
 @pytest.mark.parametrize("extra,msg", [
-    (["--dtype", "fp8"], "fp8"),
     (["--input-len", "4090", "--output-len", "16", "--spec", "dspark"], "exceeds the context"),
     (["--spec", "dspark", "--block-size", "4", "--forced-accept", "6"], "outside 1..block+1"),
     (["--spec", "mtp", "--forced-accept", "0.5"], "outside 1..block+1"),
@@ -52,6 +52,13 @@ def test_batch1_bad_flags(capsys, extra, msg):
         batch1.main(BASE + extra)
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_batch1_fp8_needs_an_fp8_ready_checkpoint(capsys):
+    with pytest.raises(SystemExit) as e:
+        batch1.main(["--checkpoint", str(LING_TINY), "--dtype", "fp8", "--input-len", "32", "--output-len", "8", "--no-xla-defaults"])
+    assert e.value.code == 2
+    assert "converted checkpoints only" in capsys.readouterr().err
 
 
 def test_batch1_dspark_checkpoint_needs_draft(capsys):

@@ -239,6 +239,28 @@ def test_fp8_keep_and_bf16_within_quantisation_error(fp8_dir, converted):
     assert got.tobytes() == want.astype(np.float32).tobytes()
 
 
+def test_fp8_weights_load_as_block_fp8(fp8_dir, converted):
+    """fp8_weights=True keeps the stored values and scales (lingjax.quant.Fp8Weight): dequantising
+    them gives exactly the parameters a dequantising load gives; not-fp8-ready sources are errors."""
+    from lingjax.checkpoint import ConvertedCheckpointError
+    from lingjax.quant import Fp8Weight, fp8_weights
+    keep = converted("fp8-keep", fp8_dir, "--dtype", "keep")
+    q = load_converted(keep, jnp.float32, fp8_weights=True)
+    w = q.layers[2].mlp.w_gate_up
+    assert isinstance(w, Fp8Weight) and w.values.get_value().dtype == jnp.float8_e4m3fn and w.block == (BLOCK, BLOCK)
+    deq = load_converted(keep, jnp.float32)
+    for path, fw in fp8_weights(q):
+        owner = deq
+        for p in path:
+            owner = owner[p] if isinstance(p, int) else getattr(owner, p)
+        assert np.asarray(fw[...]).tobytes() == np.asarray(owner.get_value()).tobytes(), path
+    assert np.array_equal(_logits(q), _logits(deq))
+    with pytest.raises(ConvertedCheckpointError, match="not fp8-ready"):
+        load_converted(converted("bf16", LING_TINY, "--dtype", "bf16"), fp8_weights=True)
+    with pytest.raises(ConvertedCheckpointError, match="converted checkpoints only"):
+        load_model(fp8_dir, fp8_weights=True)
+
+
 def test_quantise_to_fp8(converted):
     """A float32 source with --dtype fp8 gets the published block format (amax/448 per block)."""
     out = converted("to-fp8", LING_TINY, "--dtype", "fp8", "--fp8-block", "16")

@@ -50,5 +50,5 @@ class MoE(nnx.Module):
                                norm_topk_prob=cfg.norm_topk_prob,
                                routed_scaling_factor=cfg.routed_scaling_factor)
         experts = moe_ops.experts_gather if b * t < MOE_GATHER_MAX_TOKENS else moe_ops.experts_sorted_blocks
-        routed = experts(xf, idx, w, self.w_gate_up[...], self.w_down[...], self.limit)
+        routed = experts(xf, idx, w, self.w_gate_up, self.w_down, self.limit)   # Param or Fp8Weight
         return (routed + self.shared(xf)).reshape(b, t, d)

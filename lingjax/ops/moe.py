@@ -4,13 +4,33 @@ Two exact expert paths: `experts_gather` (decode / verify: gathers each token's 
 and `experts_sorted_blocks` (prefill: assignments sorted by expert into fixed-size blocks, one
 expert per block, scanned) — they compute the same function; `experts_dense` is the test oracle.
 Ties in top-k are broken towards the lower index (jax.lax.top_k).
+
+Expert weights are passed as Param-likes (`w[...]` gives the array) so that block-fp8 weights
+(`lingjax.quant.Fp8Weight`) are gathered before they are dequantised; plain arrays work too.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from lingjax.model.common import acc_dtype
+from lingjax.quant import Fp8Weight, take_rows
+
+
+class _Array:
+    """A plain array seen as a Param-like (w[...] returns it)."""
+
+    def __init__(self, a):
+        self.a = a
+        self.shape = a.shape
+
+    def __getitem__(self, index):
+        return self.a[index]
+
+
+def _param_like(w):
+    return w if isinstance(w, (Fp8Weight, nnx.Variable)) else _Array(jnp.asarray(w))
 
 
 def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int,
@@ -55,10 +75,10 @@ def experts_gather(x, idx, weight, w_gate_up, w_down, limit=None):
 
     Reads only the chosen experts (per token). For small N (decode / verify).
     """
-    gu = jnp.take(w_gate_up, idx, axis=0)                       # [N, k, D, 2, F]
+    gu = take_rows(_param_like(w_gate_up), idx)                 # [N, k, D, 2, F]
     h = jnp.einsum("nd,nkdcf->nkcf", x.astype(gu.dtype), gu)
     act = swiglu(h[:, :, 0], h[:, :, 1], limit)
-    y = jnp.einsum("nkf,nkfd->nkd", act, jnp.take(w_down, idx, axis=0))
+    y = jnp.einsum("nkf,nkfd->nkd", act, take_rows(_param_like(w_down), idx))
     acc = acc_dtype(x.dtype)
     return jnp.einsum("nkd,nk->nd", y.astype(acc), weight.astype(acc)).astype(x.dtype)
 
@@ -71,6 +91,7 @@ def experts_sorted_blocks(x, idx, weight, w_gate_up, w_down, limit=None, block: 
     ceil(N*k/block) + E gathers one expert's weights per block. Unused blocks are skipped.
     """
     n, k = idx.shape
+    w_gate_up, w_down = _param_like(w_gate_up), _param_like(w_down)
     e = w_gate_up.shape[0]
     a = n * k
     flat_e = idx.reshape(-1)
@@ -96,9 +117,10 @@ def experts_sorted_blocks(x, idx, weight, w_gate_up, w_down, limit=None, block: 
             ex = jnp.minimum(block_expert[b], e - 1)
             toks = jax.lax.dynamic_slice_in_dim(slot_tok, b * block, block)
             ws = jax.lax.dynamic_slice_in_dim(slot_w, b * block, block)
-            xb = x[toks].astype(w_gate_up.dtype)
-            h = jnp.einsum("td,dcf->tcf", xb, w_gate_up[ex])
-            y = jnp.dot(swiglu(h[:, 0], h[:, 1], limit), w_down[ex])
+            gu = take_rows(w_gate_up, ex)                            # [D, 2, F]
+            xb = x[toks].astype(gu.dtype)
+            h = jnp.einsum("td,dcf->tcf", xb, gu)
+            y = jnp.dot(swiglu(h[:, 0], h[:, 1], limit), take_rows(w_down, ex))
             return out.at[toks].add(y.astype(acc) * ws[:, None].astype(acc))
         return jax.lax.cond(b < used_blocks, run, lambda o: o, out), None
 
@@ -108,6 +130,7 @@ def experts_sorted_blocks(x, idx, weight, w_gate_up, w_down, limit=None, block: 
 
 def experts_dense(x, idx, weight, w_gate_up, w_down, limit=None):
     """Test oracle: run every expert on every token, combine with a dense [N, E] weight matrix."""
+    w_gate_up, w_down = _param_like(w_gate_up)[...], _param_like(w_down)[...]
     e = w_gate_up.shape[0]
     acc = acc_dtype(x.dtype)
     combine = jnp.zeros((x.shape[0], e), acc).at[jnp.arange(x.shape[0])[:, None], idx].add(weight.astype(acc))
