@@ -1,7 +1,12 @@
 """Batch-1, concurrency-1 serving benchmark (the SGLang `bench_serving` random recipe, in process).
 
-    python -m bench.batch1 --random-weights [--layers N] [--spec none|mtp|dspark] [--forced-accept 3.5]
+    python -m bench.batch1 --random-weights [--dtype fp8] [--layers N] [--spec none|mtp|dspark] [--forced-accept 3.5]
+    python -m bench.batch1 --random-weights --dtype fp8 --spec none,dspark --forced-accept 1,3.25,5.29,9
     python -m bench.batch1 --checkpoint DIR [--draft DIR] --spec dspark
+
+Several --spec methods and --forced-accept values (comma lists) run in one process on the same
+weights: one row each (spec none ignores tau), one warm-up per method (the forced-acceptance
+pattern is a traced input, so every tau reuses the compiled loop).
 
 Random-token prompts of --input-len, --output-len greedy tokens each, --num-prompts requests one
 after the other after one excluded warm-up request. Each request is: prefill (jitted, blocked on:
@@ -19,7 +24,6 @@ width) over the measured time per step, against a jitted device copy measured he
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -45,22 +49,42 @@ def build_parser() -> argparse.ArgumentParser:
                     help="weights: bf16, f32, or fp8 = weight-only block fp8 (128x128 scales, the published "
                          "FP8 format; bf16 activations; needs a converted fp8 checkpoint or --random-weights)")
     ap.add_argument("--layers", type=int, default=None, help="depth-reduced model (random weights only)")
-    ap.add_argument("--spec", choices=["none", "mtp", "dspark"], default="none")
+    ap.add_argument("--spec", type=_spec_list, default=["none"],
+                    help="none | mtp | dspark, or a comma list of them (each one row)")
     ap.add_argument("--block-size", type=int, default=8, help="drafts per speculative step")
-    ap.add_argument("--forced-accept", type=float, default=None, metavar="TAU",
-                    help="force mean accept length TAU (1 <= TAU <= block+1) through the real spec code")
+    ap.add_argument("--forced-accept", type=_tau_list, default=None, metavar="TAU[,TAU...]",
+                    help="force mean accept length TAU (1 <= TAU <= block+1) through the real spec code; "
+                         "a comma list runs one row per value")
     ap.add_argument("--input-len", type=int, default=8192)
     ap.add_argument("--output-len", type=int, default=1024)
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--copy-mib", type=int, default=None,
                     help="size of the bandwidth-probe array (default 1024 MiB on GPU, 64 on CPU)")
-    ap.add_argument("--profile", metavar="DIR", help="jax.profiler trace of the timed requests")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="after the timed requests, trace one more request per row (--profile-tokens long) "
+                         "into DIR/<row>/ and print a per-component breakdown of a step")
+    ap.add_argument("--profile-tokens", type=int, default=64, help="output tokens of the profiled request")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     ap.add_argument("--mesh", default=None,
                     help="split over devices: 'tp=N[,ep=M]'; random weights are then created directly in their shards")
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
     return ap
+
+
+def _spec_list(text: str) -> list[str]:
+    specs = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in specs if t not in ("none", "mtp", "dspark")]
+    if not specs or bad or len(set(specs)) != len(specs):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected none, mtp, dspark or a comma list of distinct ones")
+    return specs
+
+
+def _tau_list(text: str) -> list[float]:
+    try:
+        return [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number or a comma list of numbers") from None
 
 
 def _check_args(ap, a) -> None:
@@ -69,20 +93,22 @@ def _check_args(ap, a) -> None:
         ap.error("choose a model: --checkpoint DIR or --random-weights")
     if a.input_len < 1 or a.output_len < 2 or a.num_prompts < 1:
         ap.error("--input-len >= 1, --output-len >= 2 and --num-prompts >= 1 are required")
-    if a.spec != "none" and a.block_size < 1:
+    speculative = [s for s in a.spec if s != "none"]
+    if speculative and a.block_size < 1:
         ap.error(f"--block-size must be >= 1, got {a.block_size}")
     if a.layers is not None and a.layers < 1:
         ap.error(f"--layers must be >= 1, got {a.layers}")
     if a.layers is not None and a.checkpoint:
         ap.error("--layers needs random weights (a checkpoint is run at its own depth)")
-    if a.draft and a.spec != "dspark":
+    if a.draft and "dspark" not in a.spec:
         ap.error("--draft is only used with --spec dspark")
-    if a.spec == "dspark" and a.checkpoint and not a.draft:
+    if "dspark" in a.spec and a.checkpoint and not a.draft:
         ap.error("--spec dspark with --checkpoint needs the DSpark draft checkpoint: --draft DIR "
                  "(a random draft is only built for random target weights)")
-    if a.forced_accept is not None:
-        tau = a.forced_accept
-        if a.spec == "none":
+    if a.profile_tokens < 2:
+        ap.error("--profile-tokens must be >= 2")
+    for tau in a.forced_accept or ():
+        if not speculative:
             if tau != 1:
                 ap.error("--forced-accept needs --spec mtp or dspark (plain decoding accepts 1 token per step)")
         elif not (1 <= tau <= a.block_size + 1):
@@ -184,22 +210,23 @@ def main(argv=None) -> dict:
             cfg = cfg.replace(num_hidden_layers=a.layers)
     except (ConfigError, OSError) as e:
         ap.error(str(e))
-    B = a.block_size if a.spec != "none" else 0
-    if a.input_len + a.output_len + B > cfg.max_position_embeddings:
-        ap.error(f"--input-len {a.input_len} + --output-len {a.output_len} + block {B} = "
-                 f"{a.input_len + a.output_len + B} exceeds the context (max_position_embeddings "
+    B_max = a.block_size if any(x != "none" for x in a.spec) else 0
+    if a.input_len + a.output_len + B_max > cfg.max_position_embeddings:
+        ap.error(f"--input-len {a.input_len} + --output-len {a.output_len} + block {B_max} = "
+                 f"{a.input_len + a.output_len + B_max} exceeds the context (max_position_embeddings "
                  f"{cfg.max_position_embeddings})")
 
-    # ---- models ---------------------------------------------------------------------------------
+    # ---- models (built once, shared by every row) -----------------------------------------------
     t0 = time.perf_counter()
     draft = None
     mesh = None
+    from lingjax import sharding
     if a.mesh:
-        from lingjax import sharding
         try:
             mesh = sharding.make_mesh(*sharding.parse_mesh(a.mesh))
         except ValueError as e:
             ap.error(str(e))
+    decoders = {}
     try:
         if a.checkpoint:
             from lingjax.checkpoint import ConvertedCheckpointError, load_model
@@ -214,19 +241,18 @@ def main(argv=None) -> dict:
         else:
             # parameter by parameter, each created on its device(s): a full-size model never
             # exists in another dtype or on the host (fp8: quantised layout built abstractly)
-            from lingjax import sharding
             init_mesh = mesh if mesh is not None else sharding.make_mesh(1, 1, jax.devices()[:1])
-            with_mtp = a.spec == "mtp"
+            with_mtp = "mtp" in a.spec
 
             def build_target():
                 m = LingModel(cfg, dtype=dt, rngs=nnx.Rngs(0), with_mtp=with_mtp)
                 return quantize_model(m) if fp8 else m
             target = sharding.random_init_sharded(build_target, init_mesh, seed=0)
-        if a.spec == "dspark" and draft is None:
-            from lingjax.model.dspark import DSparkDraft
-            dcfg_r = draft_config_for(cfg, a.block_size)
-            draft = sharding.random_init_sharded(lambda: DSparkDraft(dcfg_r, dtype=dt, rngs=nnx.Rngs(1)),
-                                                 init_mesh, seed=1)
+            if "dspark" in a.spec:
+                from lingjax.model.dspark import DSparkDraft
+                dcfg_r = draft_config_for(cfg, a.block_size)
+                draft = sharding.random_init_sharded(lambda: DSparkDraft(dcfg_r, dtype=dt, rngs=nnx.Rngs(1)),
+                                                     init_mesh, seed=1)
         if mesh is not None and a.checkpoint:
             sharding.shard_model(target, mesh)
             if draft is not None:
@@ -234,59 +260,78 @@ def main(argv=None) -> dict:
         block(nnx.state(target))
         if draft is not None:
             block(nnx.state(draft))
-        dec = Decoder(target, SpecConfig(a.spec, max(a.block_size, 1)), draft=draft)
+        for method in a.spec:
+            decoders[method] = Decoder(target, SpecConfig(method, max(a.block_size, 1)),
+                                       draft=draft if method == "dspark" else None)
     except ValueError as e:   # draft / MTP that does not fit, bad block size
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
     load_s = time.perf_counter() - t0
     cfg = target.cfg
-    print(f"model ready in {load_s:.1f}s: {cfg.num_hidden_layers} layers, spec {a.spec}"
-          + (f" block {a.block_size}" if B else "") + f", {a.dtype}", flush=True)
-
-    # ---- request machinery ----------------------------------------------------------------------
-    samp = SamplingArrays.from_params(SamplingParams())
-    step_cost = jnp.ones((len(dec.spec.widths),), jnp.float32)
-    pattern = None
-    if a.forced_accept is not None and B:
-        pattern = jnp.asarray(accept_pattern(a.forced_accept), jnp.int32)
+    print(f"model ready in {load_s:.1f}s: {cfg.num_hidden_layers} layers, {a.dtype}, spec {','.join(a.spec)}"
+          + (f" block {a.block_size}" if B_max else ""), flush=True)
+    dev = jax.devices()[0]
+    copy_bytes = (a.copy_mib or (1024 if dev.platform == "gpu" else 64)) << 20
+    copy_bw = measure_copy_bandwidth(copy_bytes)
     rng = np.random.default_rng(a.seed)
-    oracle_len = a.input_len + a.output_len + B + 8
-    max_steps = a.output_len + 1
+    samp = SamplingArrays.from_params(SamplingParams())
 
-    def one_request():
+    def one_request(dec, pattern, output_len, hlo_path=None):
+        """prefill + the whole generation as one device loop; returns timings and statistics.
+        hlo_path: also write the compiled loop's HLO there (for the profile breakdown)."""
+        B = dec.spec.drafts
         prompt = jax.device_put(jnp.asarray(rng.integers(0, cfg.vocab_size, (1, a.input_len)), jnp.int32))
         override = None
         if pattern is not None:
-            oracle = jnp.asarray(rng.integers(0, cfg.vocab_size, (oracle_len,)), jnp.int32)
+            oracle = jnp.asarray(rng.integers(0, cfg.vocab_size, (a.input_len + output_len + B + 8,)), jnp.int32)
             override = block(DraftOverride(oracle, pattern, jnp.asarray(True)))
         key = jax.random.key(int(rng.integers(0, 2**31 - 1)))
+        step_cost = jnp.ones((len(dec.spec.widths),), jnp.float32)
         block(prompt)
         t = time.perf_counter()
-        st = block(dec.prefill(dec.params, prompt, a.output_len, jnp.int32(a.output_len), key, samp, step_cost))
+        st = block(dec.prefill(dec.params, prompt, a.output_len, jnp.int32(output_len), key, samp, step_cost))
         t1 = time.perf_counter()
-        sd = block(dec.run(dec.params, st, samp, override, max_steps))
+        with jax.profiler.TraceAnnotation("batch1_decode"):          # the profile breakdown's window
+            sd = block(dec.run(dec.params, st, samp, override, output_len + 1))
         t2 = time.perf_counter()
+        if hlo_path is not None:   # same argument types -> the executable that just ran
+            from bench.profile_breakdown import dump_hlo
+            dump_hlo(dec.run.lower(dec.params, st, samp, override, output_len + 1).compile(), hlo_path)
         n_out, steps, acc, hist, pos = jax.device_get((sd.n_out, sd.steps, sd.accepted, sd.accept_hist,
                                                        sd.pos_accepted))
         return {"ttft": t1 - t, "decode": t2 - t1, "n_out": int(n_out), "steps": int(steps),
                 "accepted": int(acc), "hist": np.asarray(hist), "pos": np.asarray(pos)}
 
-    t = time.perf_counter()
-    one_request()                                                      # warm-up (compiles), excluded
-    print(f"warm-up request (compile) {time.perf_counter() - t:.1f}s", flush=True)
-    dev = jax.devices()[0]
-    copy_bytes = (a.copy_mib or (1024 if dev.platform == "gpu" else 64)) << 20
-    copy_bw = measure_copy_bandwidth(copy_bytes)
+    records = []
+    for method, dec in decoders.items():
+        taus = [None] if method == "none" or not a.forced_accept else a.forced_accept
+        t = time.perf_counter()
+        warm_pattern = None if taus[0] is None else jnp.asarray(accept_pattern(taus[0]), jnp.int32)
+        one_request(dec, warm_pattern, a.output_len)                  # warm-up (compiles), excluded
+        print(f"[{method}] warm-up request (compile) {time.perf_counter() - t:.1f}s", flush=True)
+        for tau in taus:
+            pattern = None if tau is None else jnp.asarray(accept_pattern(tau), jnp.int32)
+            reqs = []
+            t_wall = time.perf_counter()
+            for _ in range(a.num_prompts):
+                reqs.append(one_request(dec, pattern, a.output_len))
+            wall = time.perf_counter() - t_wall
+            rec = _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, dev, roofline)
+            if a.profile:
+                rec["profile"] = _profile_row(a, dec, pattern, one_request, rec)
+            _print_row(rec)
+            rec["result_path"] = str(save_result(f"batch1-{method}" + ("" if tau is None else f"-tau{tau:g}"),
+                                                 rec, a.out))
+            records.append(rec)
+    if len(records) > 1:
+        _print_summary(records)
+    return records[0] if len(records) == 1 else {"rows": records}
 
-    reqs = []
-    trace = jax.profiler.trace(a.profile) if a.profile else contextlib.nullcontext()
-    with trace:
-        t_wall = time.perf_counter()
-        for i in range(a.num_prompts):
-            reqs.append(one_request())
-        wall = time.perf_counter() - t_wall
 
-    # ---- metrics --------------------------------------------------------------------------------
+def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, dev, roofline) -> dict:
+    """The result record of one row (one spec method at one forced acceptance)."""
+    import numpy as np
+    method, B = dec.spec.method, dec.spec.drafts
     ttft = np.array([r["ttft"] for r in reqs])
     tpot = np.array([r["decode"] / (r["n_out"] - 1) for r in reqs])
     itl_v, itl_w = [], []
@@ -303,11 +348,11 @@ def main(argv=None) -> dict:
     accept_len = 1.0 + sum(r["accepted"] for r in reqs) / total_steps
     per_pos = (sum(r["pos"] for r in reqs) / total_steps).tolist() if B else []
     step_s = decode_s / total_steps
-    dcfg = draft.cfg if draft is not None else None
+    dcfg = draft.cfg if (draft is not None and method == "dspark") else None
     rb = []
     for r in reqs:   # bytes per step at the request's mean context (input + half the output)
         ctx = a.input_len + r["n_out"] / 2
-        rb.append((roofline.step_bytes(cfg, a.dtype, a.spec, a.block_size, ctx, dcfg), r["steps"]))
+        rb.append((roofline.step_bytes(cfg, a.dtype, method, a.block_size, ctx, dcfg), r["steps"]))
     bytes_step = sum(sb.total * n for sb, n in rb) / total_steps
     achieved_bw = bytes_step / step_s
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
@@ -317,10 +362,10 @@ def main(argv=None) -> dict:
         return {"mean": float(np.average(x, weights=w)) * 1e3, "median": _pct(x, 50, w) * 1e3,
                 "p99": _pct(x, 99, w) * 1e3}
 
-    rec = {
+    return {
         "bench": "batch1", "model": a.checkpoint or ("random:" + (a.config_json or ("tiny" if a.tiny else "ling3-flash"))),
-        "layers": cfg.num_hidden_layers, "dtype": a.dtype, "spec": a.spec,
-        "block_size": a.block_size if B else 0, "forced_accept": a.forced_accept,
+        "layers": cfg.num_hidden_layers, "dtype": a.dtype, "spec": method,
+        "block_size": a.block_size if B else 0, "forced_accept": tau,
         "input_len": a.input_len, "output_len": a.output_len, "num_prompts": a.num_prompts,
         "ttft_ms": ms3(ttft), "tpot_ms": ms3(tpot), "itl_ms": ms3(itl_v, itl_w),
         "output_throughput_tok_s": total_out / wall, "wall_s": wall, "total_output_tokens": total_out,
@@ -331,28 +376,59 @@ def main(argv=None) -> dict:
         "roofline": {"bytes_per_step": bytes_step, "bytes_breakdown": rb[0][0].as_dict(),
                      "achieved_bytes_per_s": achieved_bw, "copy_bytes_per_s": copy_bw,
                      "copy_probe_bytes": copy_bytes, "fraction": achieved_bw / copy_bw,
-                     "experts": "uniform-routing expectation"},
-        "load_s": load_s, "profile_dir": a.profile, "flags": vars(a),
+                     "experts_per_layer": rb[0][0].experts_per_layer, "experts": "uniform-routing expectation"},
+        "load_s": load_s, "flags": {k: v for k, v in vars(a).items()},
     }
+
+
+def _print_row(rec) -> None:
+    m, B = rec, rec["block_size"]
     print()
+    title = f"spec {m['spec']}" + (f", block {B}" if B else "") + (
+        f", forced accept {m['forced_accept']:g}" if m["forced_accept"] is not None else "")
+    print(f"== {title} ({m['layers']} layers, {m['dtype']}) ==")
     print(f"{'metric':28s} {'mean':>10s} {'median':>10s} {'p99':>10s}")
     for name, key in (("TTFT (ms)", "ttft_ms"), ("TPOT excl. first (ms)", "tpot_ms"), ("ITL per token (ms)", "itl_ms")):
-        m = rec[key]
-        print(f"{name:28s} {m['mean']:10.3f} {m['median']:10.3f} {m['p99']:10.3f}")
-    print(f"{'output throughput':28s} {rec['output_throughput_tok_s']:10.1f} tok/s  ({total_out} tokens in {wall:.2f}s)")
-    print(f"{'accept length':28s} {accept_len:10.3f}" + (f"  per position {', '.join(f'{p:.2f}' for p in per_pos)}" if B else ""))
-    print(f"{'time per step':28s} {step_s*1e3:10.3f} ms  ({step_s*1e3/cfg.num_hidden_layers:.3f} ms per layer = step / {cfg.num_hidden_layers} layers)")
+        v = m[key]
+        print(f"{name:28s} {v['mean']:10.3f} {v['median']:10.3f} {v['p99']:10.3f}")
+    print(f"{'output throughput':28s} {m['output_throughput_tok_s']:10.1f} tok/s  ({m['total_output_tokens']} tokens "
+          f"in {m['wall_s']:.2f}s)")
+    per_pos = m["accept_per_position"]
+    print(f"{'accept length':28s} {m['accept_length']:10.3f}" + (f"  per position {', '.join(f'{p:.2f}' for p in per_pos)}" if B else ""))
+    print(f"{'time per step':28s} {m['ms_per_step']:10.3f} ms  ({m['ms_per_layer_step']:.3f} ms per layer = step / "
+          f"{m['layers']} layers)")
+    peak = m["peak_device_bytes"]
     print(f"{'peak device memory':28s} " + (f"{peak/2**30:10.2f} GiB" if peak is not None else "       n/a"))
-    print(f"{'roofline':28s} {bytes_step/1e9:10.3f} GB/step -> {achieved_bw/1e9:.1f} GB/s achieved vs copy "
-          f"{copy_bw/1e9:.1f} GB/s = {rec['roofline']['fraction']*100:.1f}% (experts/layer "
-          f"{rb[0][0].experts_per_layer:.1f}, uniform routing)")
-    if a.profile:
-        print(f"profile trace written under {a.profile} (open with TensorBoard / Perfetto); a per-component "
-              "breakdown is not implemented")
+    r = m["roofline"]
+    print(f"{'roofline':28s} {r['bytes_per_step']/1e9:10.3f} GB/step -> {r['achieved_bytes_per_s']/1e9:.1f} GB/s "
+          f"achieved vs copy {r['copy_bytes_per_s']/1e9:.1f} GB/s = {r['fraction']*100:.1f}% (experts/layer "
+          f"{r['experts_per_layer']:.1f}, uniform routing)")
+    if "profile" in m:
+        print(m["profile"]["table"])
     print()
-    path = save_result("batch1", rec, a.out)
-    rec["result_path"] = str(path)
-    return rec
+
+
+def _print_summary(records) -> None:
+    print("== summary ==")
+    print(f"{'spec':8s} {'tau':>6s} {'accept':>7s} {'ms/step':>8s} {'TPOT ms':>8s} {'tok/s':>8s} {'TTFT ms':>8s} {'roofline':>9s}")
+    for m in records:
+        tau = "-" if m["forced_accept"] is None else f"{m['forced_accept']:g}"
+        print(f"{m['spec']:8s} {tau:>6s} {m['accept_length']:7.2f} {m['ms_per_step']:8.3f} {m['tpot_ms']['mean']:8.3f} "
+              f"{m['output_throughput_tok_s']:8.1f} {m['ttft_ms']['mean']:8.1f} {m['roofline']['fraction']*100:8.1f}%")
+
+
+def _profile_row(a, dec, pattern, one_request, rec) -> dict:
+    """Trace one more request of this row (--profile-tokens long) and break a step down by component
+    (bench/profile_breakdown.py: device kernels mapped to the model's named scopes)."""
+    import jax
+    from bench import profile_breakdown as pb
+    tau = rec["forced_accept"]
+    d = Path(a.profile) / (dec.spec.method + ("" if tau is None else f"-tau{tau:g}"))
+    hlo = d / "run.hlo.txt"
+    with jax.profiler.trace(str(d)):
+        r = one_request(dec, pattern, min(a.profile_tokens, a.output_len), hlo_path=hlo)
+    b = pb.breakdown(d, [hlo.read_text()], steps=r["steps"], window_event="batch1_decode")
+    return {"dir": str(d), "table": pb.format_table(b), **b.as_dict()}
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="trace one more on-device run and print a per-component breakdown of a step "
+                         "(bench/profile_breakdown.py); outside the model = accept + commit + other + idle")
     args = ap.parse_args(argv)
     if not args.no_xla_defaults:
         xla_env.configure()
@@ -83,6 +86,17 @@ def main(argv=None):
     t = time.perf_counter()
     sd = block(dec.run(dec.params, st, samp, override, max_steps=args.steps))
     device_s = (time.perf_counter() - t) / int(sd.steps)
+    profile = None
+    if args.profile:
+        from pathlib import Path
+        from bench import profile_breakdown as pb
+        hlo = pb.dump_hlo(dec.run.lower(dec.params, st, samp, override, max_steps=args.steps).compile(),
+                          Path(args.profile) / "run.hlo.txt")
+        with jax.profiler.trace(args.profile):
+            with jax.profiler.TraceAnnotation("spec_loop_device"):
+                sp = block(dec.run(dec.params, st, samp, override, max_steps=args.steps))
+        profile = pb.breakdown(args.profile, [hlo.read_text()], steps=int(sp.steps), window_event="spec_loop_device")
+        print(pb.format_table(profile))
     t = time.perf_counter()
     s = st
     for _ in range(args.steps):
@@ -129,7 +143,8 @@ def main(argv=None):
            "plain_ms_per_token": plain_s * 1e3, "device_ms_per_step": device_s * 1e3,
            "synced_ms_per_step": synced_s * 1e3, "verify_ms": verify_s * 1e3, "draft_ms": draft_s * 1e3,
            "outside_model_ms_per_step": (device_s - verify_s - draft_s) * 1e3,
-           "spec_tok_per_s": acc / device_s, "plain_tok_per_s": 1 / plain_s, "output_matches_plain": same}
+           "spec_tok_per_s": acc / device_s, "plain_tok_per_s": 1 / plain_s, "output_matches_plain": same,
+           "profile": profile.as_dict() if profile else None}
     print(f"plain {plain_s*1e3:.2f} ms/token | spec on-device {device_s*1e3:.2f} ms/step, host-synced "
           f"{synced_s*1e3:.2f} ms/step | verify {verify_s*1e3:.2f} ms, draft {draft_s*1e3:.2f} ms | "
           f"accept {acc:.2f} -> {acc/device_s:.0f} tok/s vs plain {1/plain_s:.0f} tok/s | same tokens: {same}")

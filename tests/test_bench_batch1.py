@@ -46,12 +46,35 @@ def test_batch1_smoke(tmp_path, capsys, spec, tau, block, dtype):
     (["--input-len", "4090", "--output-len", "16", "--spec", "dspark"], "exceeds the context"),
     (["--spec", "dspark", "--block-size", "4", "--forced-accept", "6"], "outside 1..block+1"),
     (["--spec", "mtp", "--forced-accept", "0.5"], "outside 1..block+1"),
+    (["--spec", "none,eagle"], "expected none, mtp, dspark"),
 ])
 def test_batch1_bad_flags(capsys, extra, msg):
     with pytest.raises(SystemExit) as e:
         batch1.main(BASE + extra)
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_batch1_several_rows_share_one_model(tmp_path, capsys):
+    rec = batch1.main(BASE + ["--spec", "none,dspark", "--block-size", "4", "--forced-accept", "1,3",
+                              "--out", str(tmp_path), "--dtype", "fp8"])
+    rows = rec["rows"]
+    assert [(r["spec"], r["forced_accept"]) for r in rows] == [("none", None), ("dspark", 1.0), ("dspark", 3.0)]
+    assert [round(r["accept_length"]) for r in rows] == [1, 1, 3]
+    assert len(list(tmp_path.glob("batch1-*.json"))) == 3
+    assert "== summary ==" in capsys.readouterr().out
+
+
+def test_batch1_profile_breakdown(tmp_path, capsys):
+    """--profile traces one more request per row and attributes its device time to components."""
+    rec = batch1.main(BASE + ["--spec", "dspark", "--block-size", "4", "--forced-accept", "3", "--out", str(tmp_path),
+                              "--profile", str(tmp_path / "prof"), "--profile-tokens", "8"])
+    prof = rec["profile"]
+    assert prof["steps"] >= 2
+    for comp in ("kda", "mla", "moe", "draft", "lm_head"):
+        assert prof["total_us"][comp] > 0, comp
+    assert (tmp_path / "prof" / "dspark-tau3" / "run.hlo.txt").exists()
+    assert "kda" in capsys.readouterr().out
 
 
 def test_batch1_fp8_needs_an_fp8_ready_checkpoint(capsys):
