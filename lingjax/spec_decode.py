@@ -106,8 +106,14 @@ class Decoder:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     greedy: bool = True
     tap_layers: tuple[int, ...] = ()
+    # Prompts longer than this are prefilled in chunks of this many tokens (one scanned forward):
+    # bounds the prefill's attention scores to [H, chunk, context] (8192 tokens at once would need
+    # ~10 GB of scores per MLA layer, more than a full fp8 Ling-3.0-flash leaves on one H200).
+    prefill_chunk: int = 2048
 
     def __post_init__(self):
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.spec.method == "dspark":
             if self.draft is None:
                 raise ValueError("--spec dspark needs a DSpark draft model (--draft DIR)")
@@ -139,20 +145,20 @@ class Decoder:
         t = prompt.shape[1]
         n = jnp.int32(t) if prompt_len is None else jnp.asarray(prompt_len, jnp.int32)
         b = self.spec.drafts
-        cache = _init_cache(target, t + max_new + b + 2)
-        out = target(prompt, cache, logits="none", tap_layers=self.tap_layers,
-                     valid_len=None if prompt_len is None else n)
+        c, k = self._chunks(t)
+        cache = _init_cache(target, c * k + max_new + b + 2)      # chunks write whole (padded) blocks
+        hidden, taps, cache = self._prefill_target(target, prompt, cache, None if prompt_len is None else n)
         key, k0 = jax.random.split(key)
-        last_hidden = jax.lax.dynamic_slice_in_dim(out.hidden, n - 1, 1, axis=1)     # [1, 1, D]
+        last_hidden = jax.lax.dynamic_slice_in_dim(hidden, n - 1, 1, axis=1)          # [1, 1, D]
         logits = target.logits(last_hidden)[0, 0]
         first = jnp.argmax(logits).astype(jnp.int32) if self.greedy else sampling.sample_token(k0, logits, samp)
-        draft_cache, mtp_hidden, cache = None, None, out.cache
+        draft_cache, mtp_hidden = None, None
         if self.spec.method == "dspark":
-            draft_cache = draft.append_context(draft.init_cache(1, cache.max_len), out.taps, 0, count=n)
+            draft_cache = draft.append_context(draft.init_cache(1, cache.max_len), taps, 0, count=n)
         if self.spec.method == "mtp":
             shifted = jnp.concatenate([prompt[:, 1:], prompt[:, :1]], axis=1)
             nxt = jnp.where(jnp.arange(t) == n - 1, first, shifted)      # token t+1 for every position t
-            h, cache = target.mtp_forward(out.hidden, nxt, cache, pos=0)
+            h, cache = self._prefill_mtp(target, hidden, nxt, cache)
             mtp_hidden = jax.lax.dynamic_slice_in_dim(h, n - 1, 1, axis=1)
         nb = max(b, 1)
         state = DecodeState(
@@ -162,6 +168,48 @@ class Decoder:
             drafted=jnp.int32(0), accepted=jnp.int32(0), accept_hist=jnp.zeros((b + 1,), jnp.int32),
             pos_accepted=jnp.zeros((nb,), jnp.int32), policy=jnp.zeros((2,), jnp.int32), step_cost=step_cost)
         return self._check_stop(state, first[None], jnp.int32(1), jnp.int32(0))
+
+    def _chunks(self, t: int) -> tuple[int, int]:
+        """(chunk length, number of chunks) for a prompt of t tokens (one chunk when t <= prefill_chunk)."""
+        c = min(t, self.prefill_chunk)
+        return c, -(-t // c)
+
+    def _prefill_target(self, target, prompt, cache, valid_len):
+        """Target forward over the prompt [1, T] from an empty cache, in chunks (lax.scan) when long.
+        Returns (final-normed hidden [1, T, D], taps [1, T, n_taps*D] or None, cache)."""
+        t = prompt.shape[1]
+        c, k = self._chunks(t)
+        if k == 1:
+            out = target(prompt, cache, logits="none", tap_layers=self.tap_layers, valid_len=valid_len)
+            return out.hidden, out.taps, out.cache
+        n = jnp.int32(t) if valid_len is None else valid_len
+        chunks = jnp.pad(prompt, ((0, 0), (0, c * k - t))).reshape(k, 1, c)
+
+        def body(cache, xs):
+            i, toks = xs
+            out = target(toks, cache, logits="none", tap_layers=self.tap_layers,
+                         valid_len=jnp.clip(n - i * c, 0, c).astype(jnp.int32))
+            return out.cache, (out.hidden, out.taps)
+        cache, (hidden, taps) = jax.lax.scan(body, cache, (jnp.arange(k), chunks))
+        unchunk = lambda a: None if a is None else jnp.moveaxis(a, 0, 1).reshape(1, k * c, -1)[:, :t]  # noqa: E731
+        return unchunk(hidden), unchunk(taps), cache
+
+    def _prefill_mtp(self, target, hidden, nxt, cache):
+        """The MTP layer over the prompt (main hidden [1, T, D], next tokens [1, T]), chunked like the target."""
+        t = hidden.shape[1]
+        c, k = self._chunks(t)
+        if k == 1:
+            return target.mtp_forward(hidden, nxt, cache, pos=0)
+        pad = c * k - t
+        hs = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(1, k, c, -1).swapaxes(0, 1)
+        ns = jnp.pad(nxt, ((0, 0), (0, pad))).reshape(k, 1, c)
+
+        def body(cache, xs):
+            i, h, tok = xs
+            out, cache = target.mtp_forward(h, tok, cache, pos=(i * c).astype(jnp.int32))
+            return cache, out
+        cache, out = jax.lax.scan(body, cache, (jnp.arange(k), hs, ns))
+        return jnp.moveaxis(out, 0, 1).reshape(1, k * c, -1)[:, :t], cache
 
     # ---- the loop -----------------------------------------------------------------------------
     def _run(self, params, state: DecodeState, samp, override, max_steps):

@@ -533,3 +533,24 @@ def test_embedding_tap_minus_one():
     got = tokens(generate(make_decoder(model, draft, "dspark", 2), prompt, max_new=6))
     want = tokens(generate(make_decoder(model, None, "none"), prompt, max_new=6))
     assert_same(got, want, "dspark with an embedding tap")
+
+
+@pytest.mark.parametrize("method", ["none", "dspark", "mtp"])
+def test_chunked_prefill_equals_one_pass(method):
+    """A prompt longer than prefill_chunk is prefilled in scanned chunks (the last one partial, and
+    with a padded prompt bucket): same continuation as the one-pass prefill, for every drafter."""
+    case = small()
+    dec = Decoder(case.model, SpecConfig(method, 4), draft=case.draft if method == "dspark" else None,
+                  prefill_chunk=8)
+    t = BASE_LEN + EXTRA                                            # 33 tokens: 5 chunks of 8
+    kind = "real" if method == "none" else "mixed"
+    st_ = generate(dec, case.prompt(t), override=case.override(kind))
+    assert_same(tokens(st_), case.expected(t), f"{method}, chunked prefill")
+    padded = np.concatenate([case.prompt(t), np.zeros(7, np.int32)])[None]     # bucket of 40, 33 real
+    cost = jnp.ones(len(dec.spec.widths), jnp.float32)
+    state = dec.prefill(dec.params, jnp.asarray(padded), MAX_NEW, jnp.int32(MAX_NEW), jax.random.key(0), GREEDY,
+                        cost, prompt_len=jnp.int32(t))
+    st_ = dec.run(dec.params, state, GREEDY, jax.device_put(case.override(kind)), jax.device_put(10_000))
+    assert_same(tokens(st_), case.expected(t), f"{method}, chunked prefill of a padded bucket")
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Decoder(case.model, SpecConfig("none", 4), prefill_chunk=0)
