@@ -24,6 +24,7 @@ width) over the measured time per step, against a jitted device copy measured he
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -276,9 +277,10 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(a.seed)
     samp = SamplingArrays.from_params(SamplingParams())
 
-    def one_request(dec, pattern, output_len, hlo_path=None):
+    def one_request(dec, pattern, output_len, hlo_path=None, trace_dir=None):
         """prefill + the whole generation as one device loop; returns timings and statistics.
-        hlo_path: also write the compiled loop's HLO there (for the profile breakdown)."""
+        trace_dir: profile the generation loop (not the prefill) there; hlo_path: also write the
+        compiled loop's HLO there (both for the profile breakdown)."""
         B = dec.spec.drafts
         prompt = jax.device_put(jnp.asarray(rng.integers(0, cfg.vocab_size, (1, a.input_len)), jnp.int32))
         override = None
@@ -291,7 +293,8 @@ def main(argv=None) -> dict:
         t = time.perf_counter()
         st = block(dec.prefill(dec.params, prompt, a.output_len, jnp.int32(output_len), key, samp, step_cost))
         t1 = time.perf_counter()
-        with jax.profiler.TraceAnnotation("batch1_decode"):          # the profile breakdown's window
+        trace = jax.profiler.trace(str(trace_dir)) if trace_dir is not None else contextlib.nullcontext()
+        with trace, jax.profiler.TraceAnnotation("batch1_decode"):   # the profile breakdown's window
             sd = block(dec.run(dec.params, st, samp, override, output_len + 1))
         t2 = time.perf_counter()
         if hlo_path is not None:   # same argument types -> the executable that just ran
@@ -425,8 +428,7 @@ def _profile_row(a, dec, pattern, one_request, rec) -> dict:
     tau = rec["forced_accept"]
     d = Path(a.profile) / (dec.spec.method + ("" if tau is None else f"-tau{tau:g}"))
     hlo = d / "run.hlo.txt"
-    with jax.profiler.trace(str(d)):
-        r = one_request(dec, pattern, min(a.profile_tokens, a.output_len), hlo_path=hlo)
+    r = one_request(dec, pattern, min(a.profile_tokens, a.output_len), hlo_path=hlo, trace_dir=d)
     b = pb.breakdown(d, [hlo.read_text()], steps=r["steps"], window_event="batch1_decode")
     return {"dir": str(d), "table": pb.format_table(b), **b.as_dict()}
 
