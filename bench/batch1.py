@@ -63,12 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--copy-mib", type=int, default=None,
                     help="size of the bandwidth-probe array (default 1024 MiB on GPU, 64 on CPU)")
     ap.add_argument("--profile", metavar="DIR",
-                    help="after the timed requests, trace one more request per row (--profile-tokens long) "
-                         "into DIR/<row>/ and print a per-component breakdown of a step")
+                    help="after the timed requests of the first row of each method, trace one more request "
+                         "(--profile-tokens long, loop compiled without CUDA graphs so every kernel is "
+                         "traced) into DIR/<row>/ and print a per-component breakdown of a step")
     ap.add_argument("--profile-tokens", type=int, default=64, help="output tokens of the profiled request")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     ap.add_argument("--mesh", default=None,
                     help="split over devices: 'tp=N[,ep=M]'; random weights are then created directly in their shards")
+    ap.add_argument("--kda-kernel", choices=["xla", "pallas"], default="xla",
+                    help="KDA recurrence for decode / verify / commit: XLA ops or the Pallas Mosaic GPU kernel")
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
     return ap
 
@@ -239,6 +242,9 @@ def main(argv=None) -> dict:
             if a.draft:
                 from lingjax.loader import load_draft
                 draft = load_draft(a.draft, dt)
+            if a.kda_kernel != "xla":
+                from lingjax.model.kda import set_kda_kernel
+                set_kda_kernel(target, a.kda_kernel)
         else:
             # parameter by parameter, each created on its device(s): a full-size model never
             # exists in another dtype or on the host (fp8: quantised layout built abstractly)
@@ -246,7 +252,7 @@ def main(argv=None) -> dict:
             with_mtp = "mtp" in a.spec
 
             def build_target():
-                m = LingModel(cfg, dtype=dt, rngs=nnx.Rngs(0), with_mtp=with_mtp)
+                m = LingModel(cfg, dtype=dt, rngs=nnx.Rngs(0), with_mtp=with_mtp, kda_kernel=a.kda_kernel)
                 return quantize_model(m) if fp8 else m
             target = sharding.random_init_sharded(build_target, init_mesh, seed=0)
             if "dspark" in a.spec:
@@ -279,8 +285,9 @@ def main(argv=None) -> dict:
 
     def one_request(dec, pattern, output_len, hlo_path=None, trace_dir=None):
         """prefill + the whole generation as one device loop; returns timings and statistics.
-        trace_dir: profile the generation loop (not the prefill) there; hlo_path: also write the
-        compiled loop's HLO there (both for the profile breakdown)."""
+        trace_dir: profile the generation loop (not the prefill) there, compiled WITHOUT command
+        buffers (kernels inside a CUDA graph are mostly missing from device traces), and write that
+        executable's HLO to hlo_path (both for the profile breakdown)."""
         B = dec.spec.drafts
         prompt = jax.device_put(jnp.asarray(rng.integers(0, cfg.vocab_size, (1, a.input_len)), jnp.int32))
         override = None
@@ -293,13 +300,18 @@ def main(argv=None) -> dict:
         t = time.perf_counter()
         st = block(dec.prefill(dec.params, prompt, a.output_len, jnp.int32(output_len), key, samp, step_cost))
         t1 = time.perf_counter()
-        trace = jax.profiler.trace(str(trace_dir)) if trace_dir is not None else contextlib.nullcontext()
-        with trace, jax.profiler.TraceAnnotation("batch1_decode"):   # the profile breakdown's window
-            sd = block(dec.run(dec.params, st, samp, override, output_len + 1))
-        t2 = time.perf_counter()
-        if hlo_path is not None:   # same argument types -> the executable that just ran
+        run, trace = dec.run, contextlib.nullcontext()
+        if trace_dir is not None:
             from bench.profile_breakdown import dump_hlo
-            dump_hlo(dec.run.lower(dec.params, st, samp, override, output_len + 1).compile(), hlo_path)
+            run = dec.run.lower(dec.params, st, samp, override, output_len + 1).compile(
+                compiler_options={"xla_gpu_enable_command_buffer": ""})
+            dump_hlo(run, hlo_path)
+            block(run(dec.params, st, samp, override, output_len + 1))        # warm-up
+            trace = jax.profiler.trace(str(trace_dir))
+            t1 = time.perf_counter()
+        with trace, jax.profiler.TraceAnnotation("batch1_decode"):   # the profile breakdown's window
+            sd = block(run(dec.params, st, samp, override, output_len + 1))
+        t2 = time.perf_counter()
         n_out, steps, acc, hist, pos = jax.device_get((sd.n_out, sd.steps, sd.accepted, sd.accept_hist,
                                                        sd.pos_accepted))
         return {"ttft": t1 - t, "decode": t2 - t1, "n_out": int(n_out), "steps": int(steps),
@@ -320,7 +332,7 @@ def main(argv=None) -> dict:
                 reqs.append(one_request(dec, pattern, a.output_len))
             wall = time.perf_counter() - t_wall
             rec = _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, dev, roofline)
-            if a.profile:
+            if a.profile and tau == taus[0]:      # the first row of each method
                 rec["profile"] = _profile_row(a, dec, pattern, one_request, rec)
             _print_row(rec)
             rec["result_path"] = str(save_result(f"batch1-{method}" + ("" if tau is None else f"-tau{tau:g}"),
@@ -367,7 +379,7 @@ def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, de
 
     return {
         "bench": "batch1", "model": a.checkpoint or ("random:" + (a.config_json or ("tiny" if a.tiny else "ling3-flash"))),
-        "layers": cfg.num_hidden_layers, "dtype": a.dtype, "spec": method,
+        "layers": cfg.num_hidden_layers, "dtype": a.dtype, "spec": method, "kda_kernel": a.kda_kernel,
         "block_size": a.block_size if B else 0, "forced_accept": tau,
         "input_len": a.input_len, "output_len": a.output_len, "num_prompts": a.num_prompts,
         "ttft_ms": ms3(ttft), "tpot_ms": ms3(tpot), "itl_ms": ms3(itl_v, itl_w),
@@ -420,6 +432,10 @@ def _print_summary(records) -> None:
               f"{m['output_throughput_tok_s']:8.1f} {m['ttft_ms']['mean']:8.1f} {m['roofline']['fraction']*100:8.1f}%")
 
 
+# the model's own kernels (the rest of a step: accept, commit bookkeeping, 'other', launch gaps)
+MODEL_COMPONENTS = ("kda", "mla", "moe", "dense_mlp", "embed", "lm_head", "draft")
+
+
 def _profile_row(a, dec, pattern, one_request, rec) -> dict:
     """Trace one more request of this row (--profile-tokens long) and break a step down by component
     (bench/profile_breakdown.py: device kernels mapped to the model's named scopes)."""
@@ -428,9 +444,21 @@ def _profile_row(a, dec, pattern, one_request, rec) -> dict:
     tau = rec["forced_accept"]
     d = Path(a.profile) / (dec.spec.method + ("" if tau is None else f"-tau{tau:g}"))
     hlo = d / "run.hlo.txt"
+    t = time.perf_counter()
     r = one_request(dec, pattern, min(a.profile_tokens, a.output_len), hlo_path=hlo, trace_dir=d)
-    b = pb.breakdown(d, [hlo.read_text()], steps=r["steps"], window_event="batch1_decode")
-    return {"dir": str(d), "table": pb.format_table(b), **b.as_dict()}
+    try:
+        b = pb.breakdown(d, [hlo.read_text()], steps=r["steps"], window_event="batch1_decode")
+    except pb.ProfileBreakdownError as e:      # keep the row's measurements; say what failed
+        return {"dir": str(d), "error": str(e), "table": f"profile breakdown failed: {e}"}
+    # Busy kernel time per step is comparable with the timed (graph-captured) step; the idle of
+    # this host-driven, graph-less run is not, so 'outside the model' uses the timed step time.
+    step_us = rec["ms_per_step"] * 1e3
+    model = sum(b.per_step_us[c] for c in MODEL_COMPONENTS if c in b.per_step_us)
+    extra = (f"\nprofiled run (no CUDA graphs, {time.perf_counter() - t:.0f}s incl. compile): model kernels "
+             f"{model:.0f} us/step of the timed {step_us:.0f} us/step -> {100 * (1 - model / step_us):.1f}% of "
+             f"a step outside the model's kernels (accept/commit/other kernels, launch gaps, idle)")
+    return {"dir": str(d), "table": pb.format_table(b) + extra, "model_kernels_us_per_step": model,
+            "outside_model_share": 1 - model / step_us, **b.as_dict()}
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["bfloat16", "float32", "float64"], default="bfloat16")
     ap.add_argument("--chunk-steps", type=int, default=16, help="speculative steps per device chunk")
     ap.add_argument("--mesh", default=None, help="split over devices: 'tp=N[,ep=M]' (default: one device)")
+    ap.add_argument("--kda-kernel", choices=["xla", "pallas"], default="xla",
+                    help="KDA recurrence for decode / verify / commit: XLA, or the fused Pallas kernel "
+                         "(NVIDIA Hopper GPU)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     ap.add_argument("--logits-out", metavar="FILE.npy", help="save float32 logits of every prompt position [T, V]")
     ap.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
@@ -76,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
         engine = load_engine(args.checkpoint, args.draft, dtype=args.dtype, spec=args.spec,
                              block_size=args.block_size, verify_policy=args.verify_policy,
-                             chunk_steps=args.chunk_steps, quiet=args.quiet or args.json, mesh=args.mesh)
+                             chunk_steps=args.chunk_steps, quiet=args.quiet or args.json, mesh=args.mesh,
+                             kda_kernel=args.kda_kernel)
         if prompt_ids is not None:
             prompt = prompt_ids
         else:

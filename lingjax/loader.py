@@ -6,9 +6,11 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from lingjax.engine import Engine
+from lingjax.model.kda import check_kda_kernel, set_kda_kernel
 from lingjax.spec_decode import SpecConfig
 
 DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "float64": jnp.float64}
@@ -37,14 +39,26 @@ def load_draft(path: str | Path, dtype):
 def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None = None, *, dtype: str = "bfloat16",
                 spec: str | None = None, block_size: int | None = None, verify_policy: str = "fixed",
                 chunk_steps: int = 16, max_context: int | None = None, quiet: bool = False,
-                mesh: str | None = None) -> Engine:
+                mesh: str | None = None, kda_kernel: str = "xla") -> Engine:
     """checkpoint None = the embedded default model (and its draft unless `draft` is given).
 
     mesh: 'tp=N[,ep=M]' (lingjax.sharding.parse_mesh) to split the target and draft over N*M
-    devices (heads / vocab / expert intermediate over tp, experts over ep); None = one device."""
+    devices (heads / vocab / expert intermediate over tp, experts over ep); None = one device.
+    kda_kernel: 'xla' | 'pallas' (the fused Mosaic GPU KDA kernel for decode / verify / commit;
+    NVIDIA Hopper GPU only), see lingjax/model/kda.py."""
     if dtype not in DTYPES:
         raise LoadError(f"unknown dtype {dtype!r}; choose from bfloat16, float32, float64")
     jdtype = DTYPES[dtype]
+    try:
+        check_kda_kernel(kda_kernel, dtype=jdtype)
+    except ValueError as e:
+        raise LoadError(str(e)) from None
+    if kda_kernel == "pallas" and mesh is not None:
+        raise LoadError("--kda-kernel pallas with --mesh is not supported yet: the kernel is not split over "
+                        "devices (no shard_map over heads); use --kda-kernel xla")
+    if kda_kernel == "pallas" and jax.default_backend() != "gpu":
+        raise LoadError(f"--kda-kernel pallas needs an NVIDIA Hopper GPU (a Mosaic GPU kernel); the backend is "
+                        f"{jax.default_backend()!r}: use --kda-kernel xla")
     t0 = time.perf_counter()
     tokenizer, target, drafter = None, None, None
     if checkpoint is None:
@@ -61,6 +75,10 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
         if (path / "tokenizer.json").exists():
             from lingjax.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(path)
+    try:
+        set_kda_kernel(target, kda_kernel)
+    except ValueError as e:
+        raise LoadError(f"{checkpoint or 'embedded model'}: {e}") from None
     if draft is not None:
         _log(f"loading draft {draft} ...", quiet)
         drafter = load_draft(draft, jdtype)
@@ -80,5 +98,5 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
     engine = Engine(target, tokenizer, drafter if method == "dspark" else None, spec=spec_cfg,
                     chunk_steps=chunk_steps, max_context=max_context)
     _log(f"loaded in {time.perf_counter() - t0:.1f}s (spec={method}, block={spec_cfg.block_size}, "
-         f"policy={verify_policy})", quiet)
+         f"policy={verify_policy}, kda_kernel={kda_kernel})", quiet)
     return engine

@@ -2,5 +2,5 @@
 `lingjax/ops/` in interpret mode and cross-lowered for CUDA in CI).
 
 So far: `kda_decode` (fused KDA recurrence for decode / verify blocks), not yet run on the H200 and
-not yet wired into the model; the model runs on the pure-XLA references until the kernels land.
+opt-in in the model through kda_kernel="pallas"; the model runs on the pure-XLA references until the kernels land.
 """

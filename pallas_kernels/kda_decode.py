@@ -35,21 +35,37 @@ Design
   TMA store each (``commit_smem`` before the TMA, ``wait_smem_to_gmem(0)`` at the end). The state
   is read once and written once per block of T tokens.
 
-Status: WORK IN PROGRESS until run on the H200. Checked on CPU (jax 0.12.0.1): interpret mode with
-race detection vs the XLA reference and the float64 oracle (T in {1,3,9,16}, K=V in {64,128},
-block_v in {16,32,64,128}), and cross-lowering for CUDA (``.lower(lowering_platforms=("cuda",))``,
-B=1..2, H=32, K=V=128, T=1..16, every block_v) — see tests/test_pallas_kda_decode.py. NOT yet
-checked: a real compile on jax 0.11.2 (ptxas: registers/spills), correctness on the GPU, speed.
-The block_v default (32) is a guess to be tuned on the H200.
+Replay commit: :func:`kda_state_after_prefix_pallas` runs the same kernel with g = 0, beta = 0 on
+the tokens past the accepted prefix. In this kernel such a token is exactly the identity
+(exp(0) = 1; beta*k = beta*v = 0 so u = 0 and S + k*0 = S, for any finite S), so the state equals
+the kernel's own state after only the prefix, bit for bit.
 
-API notes / pitfalls (jax 0.12.0.1; the GPU machine runs 0.11.2):
+Status: NOT YET RUN ON A GPU. Checked on CPU, on both jax 0.12.0.1 and jax 0.11.2 (the H200's
+version, in a scratch CPU venv): interpret mode with race detection vs the XLA reference and the
+float64 oracle (T in {1,3,9,16}, K=V in {64,128}, block_v in {16,32,64,128}), and cross-lowering
+for CUDA (``.lower(lowering_platforms=("cuda",))``, B=1..2, H=32, K=V=128, T in {1,9,16}) — see
+tests/test_pallas_kda_decode.py, whose GPU tests (skipped off-GPU) run the compiled kernel against
+the float64 oracle. NOT yet checked: a real compile (ptxas: registers/spills), correctness on the
+GPU, speed (bench/kernels.py). The block_v default (32) is a guess to be tuned on the H200.
+Used by the model only with ``kda_kernel="pallas"`` (lingjax/model/kda.py; the default is XLA):
+decode, verify outputs, commit. A verify discards the final state, which the kernel still writes
+(2 MiB per layer; a custom call's unused output is not eliminated) — a state-less variant would
+save that.
+
+API notes / pitfalls (the API used here is the same in jax 0.11.2 and 0.12.0.1):
 * ``plgpu.kernel`` (not ``pl.pallas_call`` + ``CompilerParams``).
-* ``plgpu.load(ref, layout=...)`` takes no index argument here; index with ``ref.at[...]``
-  (not verified against 0.11.2's signature).
-* ``InterpretGPUParams(detect_races=True)`` raises on a race by default (``on_race="raise"``);
-  checked by deleting the TMA ``barrier_wait``: the read of the unfilled SMEM tile is reported.
-  After an exception the interpreter's global state needs ``reset_gpu_interpret_mode_state``,
-  which is not exported from ``plgpu`` (private module only).
+* ``plgpu.load(ref.at[...], layout=...)``: 0.12 takes no index argument; 0.11.2 still accepts a
+  positional ``idx`` but deprecates it in favour of ``ref.at[idx]`` (checked in its source), so
+  the ``.at`` form works on both and no version switch is needed.
+* ``copy_gmem_to_smem(src, dst, barrier)``, ``barrier_wait``, ``commit_smem``,
+  ``copy_smem_to_gmem``, ``wait_smem_to_gmem(n)``, ``Layout.WGMMA.reduce(axis)``, ``SMEM``,
+  ``Barrier(num_barriers=)`` have the same signatures in both versions.
+* ``InterpretGPUParams(detect_races=True)``: 0.12 raises on a race by default (``on_race="raise"``;
+  checked by deleting the TMA ``barrier_wait``); 0.11.2 has no ``on_race``: it prints and sets a
+  flag, which the tests read. After an exception the interpreter's global state needs
+  ``reset_gpu_interpret_mode_state``, which is not exported from ``plgpu`` (private module only).
+* On a CPU backend the kernel runs only in interpret mode (``interpret=`` here, or tracing under
+  ``plgpu.force_gpu_interpret_mode``); otherwise jax raises "Only interpret mode is supported".
 * Nothing failed to lower in this formulation: axis-0 (cross-warp) and axis-1 reductions of a
   WGMMA-layout fp32 tile, ``WGMMA.reduce(0/1)`` vector loads from SMEM, row/column broadcasts,
   ``lax.fori_loop`` carrying the register tile, and a dynamic-row store ``o_s[t] = ...``.
@@ -63,9 +79,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["kda_recurrent_pallas"]
+__all__ = ["MAX_T", "kda_recurrent_pallas", "kda_state_after_prefix_pallas"]
 
-_MAX_T = 16
+MAX_T = 16  # tokens per call: a decode step or a speculative verify block
 
 
 def _pick_block_v(V: int, block_v: int | None) -> int:
@@ -87,8 +103,8 @@ def kda_recurrent_pallas(q, k, v, g, beta, state, scale=None, *, block_v=None, i
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
-    if not 1 <= T <= _MAX_T:
-        raise ValueError(f"T={T} must be in 1..{_MAX_T}")
+    if not 1 <= T <= MAX_T:
+        raise ValueError(f"T={T} must be in 1..{MAX_T}")
     if K % 64:
         raise ValueError(f"K={K} must be a multiple of 64 (WGMMA row tiling)")
     if state.shape != (B, H, K, V):
@@ -169,3 +185,18 @@ def kda_recurrent_pallas(q, k, v, g, beta, state, scale=None, *, block_v=None, i
     )
     o, s_out = kernel(q, k, kb, g, vb, state)
     return o, s_out
+
+
+def kda_state_after_prefix_pallas(state, k, v, g, beta, n, *, block_v=None, interpret=False):
+    """State after only the first n tokens of a block, through the fused kernel (replay commit).
+
+    Same contract as :func:`lingjax.ops.kda.kda_state_after_prefix`: state [B,H,K,V]; k, g
+    [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; n traced int, 0 <= n <= T <= 16. Tokens t >= n get
+    g = 0, beta = 0, an exact identity update in this kernel (module docstring). Returns the state
+    [B,H,K,V] float32.
+    """
+    keep = jnp.arange(k.shape[1]) < n                                  # [T]
+    g = jnp.where(keep[None, :, None, None], g, 0)
+    beta = jnp.where(keep[None, :, None], beta, 0)
+    q = jnp.zeros(k.shape, jnp.float32)                                 # outputs unused
+    return kda_recurrent_pallas(q, k, v, g, beta, state, block_v=block_v, interpret=interpret)[1]

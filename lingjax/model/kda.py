@@ -1,19 +1,36 @@
 """Kimi Delta Attention layer (spec/kda.md): fused q/k/v/f/g projection, depthwise causal conv +
 SiLU on q/k/v, L2-normalised q/k, safe (or softplus) gate, beta, the delta-rule recurrence
 (chunked for T > 1, one step for T = 1), gated per-head RMSNorm, o_proj.
+
+The recurrence runs on one of two kernels (``kda_kernel``, XLA by default):
+  "xla"    lingjax.ops.kda everywhere: kda_step (decode), kda_chunked (prefill / verify),
+           kda_state_after_prefix (commit).
+  "pallas" the fused Mosaic GPU kernel (pallas_kernels/kda_decode.py) for decode (T = 1), for the
+           outputs of a pending verify block (T <= 16) and for its commit (replay with g = 0,
+           beta = 0 past the accepted prefix: exact identity updates in the kernel). Prefill and
+           any other T > 1 forward stay on kda_chunked. Needs an NVIDIA Hopper GPU, float32
+           accumulation (a bfloat16 / float32 model) and head_dim % 64 == 0. On a CPU backend it
+           only runs in interpret mode, when traced inside ``pallas_interpret()`` (tests). Not split
+           over devices (no shard_map over heads): lingjax.loader refuses it with a mesh.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lingjax.cache import KDAState
 from lingjax.config import LingConfig
 from lingjax.model.common import acc_dtype, param, rms_norm
 from lingjax.ops import kda as kda_ops
+from pallas_kernels import kda_decode
+
+KDA_KERNELS = ("xla", "pallas")
 
 
 class KDAPending(NamedTuple):
@@ -26,11 +43,66 @@ class KDAPending(NamedTuple):
     conv_in: jax.Array   # [B, ks-1+T, 3, H, K] conv window followed by the block's projected inputs
 
 
+class KDAPendingPallas(KDAPending):
+    """A KDAPending whose commit replays the accepted prefix through the Pallas kernel (the type,
+    kept through jit as the pytree node type, carries the choice to `commit_prefix`)."""
+    __slots__ = ()
+
+
+def check_kda_kernel(kernel: str, cfg: LingConfig | None = None, dtype=None) -> str:
+    """Validate a kda_kernel value (and, given cfg / dtype, that the Pallas kernel supports them)."""
+    if kernel not in KDA_KERNELS:
+        raise ValueError(f"kda_kernel must be one of {', '.join(map(repr, KDA_KERNELS))}, got {kernel!r}")
+    if kernel == "pallas":
+        if cfg is not None and cfg.head_dim % 64:
+            raise ValueError(f"kda_kernel='pallas' needs head_dim % 64 == 0 (WGMMA rows), got "
+                             f"head_dim={cfg.head_dim}; use kda_kernel='xla'")
+        if dtype is not None and acc_dtype(dtype) != jnp.float32:
+            raise ValueError(f"kda_kernel='pallas' accumulates in float32; a {jnp.dtype(dtype).name} model "
+                             "(float64 accumulation) needs kda_kernel='xla'")
+    return kernel
+
+
+def set_kda_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
+    """Switch every KDA layer of `model` (e.g. one built by a checkpoint loader) to `kernel`, in
+    place; call it before the model is split / jitted (the choice is static). Returns `model`."""
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, KDA):
+            m.kda_kernel = check_kda_kernel(kernel, m.cfg, m.A_log.get_value().dtype)   # acc dtype (w_in may be fp8)
+    return model
+
+
+_INTERPRET: contextvars.ContextVar = contextvars.ContextVar("kda_pallas_interpret", default=None)
+
+
+@contextlib.contextmanager
+def pallas_interpret(params=None):
+    """kda_kernel='pallas' layers traced inside this block run the kernel in Mosaic GPU interpret
+    mode (`params`: a plgpu.InterpretGPUParams, default plain) — how CPU tests run the Pallas path.
+    Only tracing sees it: a function jitted earlier keeps the mode it was traced with."""
+    token = _INTERPRET.set(params if params is not None else plgpu.InterpretGPUParams())
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
+
+def _pallas(fn, *args):
+    """Call a kda_decode kernel: compiled on a GPU, interpreted inside `pallas_interpret`."""
+    interpret = _INTERPRET.get()
+    if interpret is None and jax.default_backend() != "gpu":
+        raise ValueError(f"kda_kernel='pallas' runs a Mosaic GPU kernel, which needs an NVIDIA Hopper GPU; "
+                         f"the backend is {jax.default_backend()!r}. Use kda_kernel='xla' (tests on CPU trace "
+                         "the model inside lingjax.model.kda.pallas_interpret()).")
+    return fn(*args, interpret=interpret if interpret is not None else False)
+
+
 class KDA(nnx.Module):
-    def __init__(self, cfg: LingConfig, *, dtype, rngs):
+    def __init__(self, cfg: LingConfig, *, dtype, rngs, kda_kernel: str = "xla"):
         d, h, k, ks = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
         acc = acc_dtype(dtype)
         self.cfg = cfg
+        self.kda_kernel = check_kda_kernel(kda_kernel, cfg, dtype)
         # q, k, v, f, g projections fused: [D, 5, H, K]
         self.w_in = param(rngs, (d, 5, h, k), ("embed", None, "heads", "head_dim"), dtype, std=d ** -0.5)
         self.w_beta = param(rngs, (d, h), ("embed", "heads"), dtype, std=d ** -0.5)
@@ -64,14 +136,17 @@ class KDA(nnx.Module):
             real = jnp.arange(t) < valid_len
             g = jnp.where(real[None, :, None, None], g, 0.0)
             beta = jnp.where(real[None, :, None], beta, 0.0)
-        if t == 1 and not pending:
+        pallas = self.kda_kernel == "pallas" and (t == 1 or pending) and t <= kda_decode.MAX_T
+        if pallas:
+            o, s = _pallas(kda_decode.kda_recurrent_pallas, q, k, v, g, beta, cache.state)
+        elif t == 1 and not pending:
             o, s = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state)
             o = o[:, None]
         else:
             o, s = kda_ops.kda_chunked(q, k, v, g, beta, cache.state)
         y = self._output(o, proj[:, :, 4], x.dtype)
         if pending:
-            return y, KDAPending(cache, k, v, g, beta, conv_in)
+            return y, (KDAPendingPallas if pallas else KDAPending)(cache, k, v, g, beta, conv_in)
         ks = cfg.short_conv_kernel_size
         if ks == 1:
             return y, KDAState(s, cache.conv)
@@ -99,7 +174,10 @@ def causal_conv(window, w, t: int):
 
 def commit_prefix(p: KDAPending, n) -> KDAState:
     """State and conv window after the first n tokens of a pending block (n traced, 0 <= n <= T)."""
-    s = kda_ops.kda_state_after_prefix(p.start.state, p.k, p.v, p.g, p.beta, n)
+    if isinstance(p, KDAPendingPallas):
+        s = _pallas(kda_decode.kda_state_after_prefix_pallas, p.start.state, p.k, p.v, p.g, p.beta, n)
+    else:
+        s = kda_ops.kda_state_after_prefix(p.start.state, p.k, p.v, p.g, p.beta, n)
     ks1 = p.start.conv.shape[1]
     conv = jax.lax.dynamic_slice_in_dim(p.conv_in, n, ks1, axis=1) if ks1 else p.start.conv
     return KDAState(s, conv)

@@ -13,7 +13,7 @@ from flax import nnx
 from lingjax.cache import LingCache, MLAState
 from lingjax.config import LingConfig
 from lingjax.model.common import RMSNorm, acc_dtype, param
-from lingjax.model.kda import KDA, commit_prefix
+from lingjax.model.kda import KDA, check_kda_kernel, commit_prefix
 from lingjax.model.mla import GatedMLA
 from lingjax.model.mlp import DenseMLP, MoE
 
@@ -21,10 +21,14 @@ from lingjax.model.mlp import DenseMLP, MoE
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: h += attn(norm(h)); h += mlp(norm(h))."""
 
-    def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs, kind: str | None = None):
+    def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs, kind: str | None = None,
+                 kda_kernel: str = "xla"):
         self.kind = kind or ("mla" if cfg.is_mla_layer(layer) else "kda")
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.attn = (GatedMLA if self.kind == "mla" else KDA)(cfg, dtype=dtype, rngs=rngs)
+        if self.kind == "mla":
+            self.attn = GatedMLA(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.attn = KDA(cfg, dtype=dtype, rngs=rngs, kda_kernel=kda_kernel)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if cfg.is_moe_layer(layer):
             self.mlp = MoE(cfg, layer, dtype=dtype, rngs=rngs)
@@ -70,13 +74,17 @@ class ForwardOut(NamedTuple):
 
 
 class LingModel(nnx.Module):
-    def __init__(self, cfg: LingConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None, with_mtp: bool | None = None):
+    def __init__(self, cfg: LingConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None, with_mtp: bool | None = None,
+                 kda_kernel: str = "xla"):
+        """kda_kernel: 'xla' (default) | 'pallas': the KDA recurrence kernel (lingjax/model/kda.py)."""
+        check_kda_kernel(kda_kernel)
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg = cfg
         self.dtype = dtype
         d, v = cfg.hidden_size, cfg.vocab_size
         self.embed = param(rngs, (v, d), ("vocab", "embed"), dtype, std=1.0)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, kda_kernel=kda_kernel)
+                                for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = param(rngs, (d, v), ("embed", "vocab"), dtype, std=d ** -0.5)
         if with_mtp is None:
@@ -121,7 +129,8 @@ class LingModel(nnx.Module):
                 pend.append(None)
             if return_all_hidden or i in tap_layers:
                 taps[i] = h
-        hidden = self.norm(h)
+        with jax.named_scope("lm_head"):          # the final norm counts with the head
+            hidden = self.norm(h)
         out_logits = None
         if logits == "all":
             out_logits = self.logits(hidden)

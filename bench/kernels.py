@@ -1,0 +1,274 @@
+"""Pallas kernels against their XLA references at Ling shapes: time, error, % of the memory floor.
+
+    python -m bench.kernels [--iters 200] [--block-v 16,32,64,128] [--out DIR]
+    python -m bench.kernels --interpret --iters 2      # CPU smoke: interpret mode, small shapes
+
+Cases (B=1, H=32, K=V=128; q, k, v, beta bf16; g (log decay) and the state fp32, as in the model):
+  decode  T=1   kda_recurrent_pallas           vs kda_step               (the XLA decode path)
+  verify  T=9   kda_recurrent_pallas           vs kda_chunked            (the XLA verify path)
+  verify  T=16  kda_recurrent_pallas           vs kda_chunked
+  commit  T=9   kda_state_after_prefix_pallas  vs kda_state_after_prefix (accepted prefix n=5)
+
+Time: `call` = median of --iters jitted calls, each blocked on (includes dispatch); `loop` = one
+jitted lax.fori_loop of --iters calls, each taking the previous call's state and one of 4 input
+draws in turn (no dispatch, nothing loop-invariant to hoist), median of 3 runs / --iters. Warm-up
+(compile) runs are excluded. Floor = the bytes a call must move (state read + written, inputs,
+outputs) / the device copy bandwidth measured in this run; `%floor` = floor time / measured time
+(the table shows it for `loop`, the JSON for both). Errors: max |kernel - XLA| (and relative to
+max |XLA|), and the relative RMSE of each row against a float64 numpy oracle on the same (rounded)
+inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from typing import Callable
+
+from lingjax import xla_env
+
+LING = dict(B=1, H=32, K=128)           # Ling-3.0-flash KDA: 32 heads x 128
+SMALL = dict(B=1, H=2, K=64)            # --interpret (CPU smoke)
+COMMIT_N = 5
+LOOP_SETS = 4                           # distinct input draws cycled through by the timing loop
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    T: int
+    commit: bool = False                # state-only (replay commit of the first COMMIT_N tokens)
+
+
+CASES = (Case("decode", 1), Case("verify", 9), Case("verify", 16), Case("commit", 9, commit=True))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=200, help="timed calls per measurement")
+    ap.add_argument("--block-v", default="", help="comma list of kda_decode block_v values to compare "
+                                                 "(default: the kernel's default)")
+    ap.add_argument("--interpret", action="store_true",
+                    help="run the kernels in Mosaic GPU interpret mode at small shapes (CPU smoke; times meaningless)")
+    ap.add_argument("--copy-mib", type=int, default=None,
+                    help="size of the bandwidth-probe array (default 1024 MiB on GPU, 8 otherwise)")
+    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
+    return ap
+
+
+def make_inputs(B, T, H, K, seed=0):
+    """(q, k, v, g, beta) [B,T,H,*] and state [B,H,K,K]: unit-norm q, k; weak decay g in (-0.05, 0)
+    so that a state chained over many loop iterations stays bounded."""
+    import jax
+    import jax.numpy as jnp
+    from lingjax.ops.kda import l2_normalize
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    q = l2_normalize(jax.random.normal(ks[0], (B, T, H, K), f32)).astype(bf16)
+    k = l2_normalize(jax.random.normal(ks[1], (B, T, H, K), f32)).astype(bf16)
+    v = jax.random.normal(ks[2], (B, T, H, K), f32).astype(bf16)
+    g = -0.05 * jax.random.uniform(ks[3], (B, T, H, K), f32)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H), f32)).astype(bf16)
+    state = jax.random.normal(ks[5], (B, H, K, K), f32)
+    return (q, k, v, g, beta), state
+
+
+def floor_bytes(case: Case, xs, state) -> int:
+    """Bytes one call must move: state read + written, its inputs, its fp32 outputs."""
+    q, k, v, g, beta = xs
+    ins = (k, v, g, beta) if case.commit else xs
+    out = 0 if case.commit else v.size * 4
+    return 2 * state.size * 4 + sum(x.size * x.dtype.itemsize for x in ins) + out
+
+
+def impls(case: Case, V: int, block_vs, interpret) -> list[tuple[str, Callable]]:
+    """[(label, f(xs, state) -> outputs tuple whose last entry is the new state)], XLA first."""
+    import jax.numpy as jnp
+    from lingjax.ops import kda as ops
+    from pallas_kernels import kda_decode as kd
+    n = jnp.int32(COMMIT_N)
+    f32 = lambda xs: tuple(x.astype(jnp.float32) for x in xs)
+    if case.commit:
+        out = [("xla kda_state_after_prefix",
+                lambda xs, s: (ops.kda_state_after_prefix(s, *f32(xs[1:]), n),))]
+        for bv in block_vs:
+            out.append((f"pallas bv={kd._pick_block_v(V, bv)}", lambda xs, s, bv=bv: (
+                kd.kda_state_after_prefix_pallas(s, *xs[1:], n, block_v=bv, interpret=interpret),)))
+        return out
+    if case.T == 1:
+        def ref(xs, s):
+            o, s = ops.kda_step(*(x[:, 0] for x in f32(xs)), s)
+            return o[:, None], s
+        out = [("xla kda_step", ref)]
+    else:
+        out = [("xla kda_chunked", lambda xs, s: ops.kda_chunked(*f32(xs), s))]
+    for bv in block_vs:
+        out.append((f"pallas bv={kd._pick_block_v(V, bv)}",
+                    lambda xs, s, bv=bv: kd.kda_recurrent_pallas(*xs, s, block_v=bv, interpret=interpret)))
+    return out
+
+
+def oracle(case: Case, xs, state):
+    """float64 numpy (o or None, state) on the same inputs."""
+    import numpy as np
+    from lingjax.ops.kda import kda_recurrent_numpy
+    xs = [np.asarray(x, np.float64) for x in xs]
+    if case.commit:
+        return None, kda_recurrent_numpy(*(x[:, :COMMIT_N] for x in xs), state)[1]
+    return kda_recurrent_numpy(*xs, state)
+
+
+def time_call(f, args, iters: int) -> float:
+    """Median seconds of one blocked call (after one warm-up)."""
+    import jax
+    import numpy as np
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def time_loop(fn, xs_sets, state, iters: int, repeats: int = 3) -> float:
+    """Seconds per call inside one jitted fori_loop of `iters` calls chaining the state. xs_sets:
+    the inputs stacked over a leading axis of LOOP_SETS different draws; call i reads draw
+    i % LOOP_SETS, so XLA cannot hoist the state-independent work out of the loop."""
+    import jax
+    from jax import lax
+    import numpy as np
+    pick = lambda i: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i % LOOP_SETS, keepdims=False), xs_sets)
+    shapes = jax.eval_shape(fn, pick(0), state)
+
+    @jax.jit
+    def run(xs_sets, state):
+        init = (*(jax.numpy.zeros(a.shape, a.dtype) for a in shapes[:-1]), state)
+        return lax.fori_loop(0, iters, lambda i, c: fn(pick(i), c[-1]), init)
+
+    jax.block_until_ready(run(xs_sets, state))
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(run(xs_sets, state))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) / iters
+
+
+def _rel_rmse(a, b):
+    import numpy as np
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
+
+def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: float) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    draws = [make_inputs(shape["B"], case.T, shape["H"], shape["K"], seed=100 * case.T + r) for r in range(LOOP_SETS)]
+    xs, state = draws[0]
+    xs_sets = tuple(jnp.stack(a) for a in zip(*(d[0] for d in draws)))
+    nbytes = floor_bytes(case, xs, state)
+    floor_s = nbytes / copy_bw
+    o64, s64 = oracle(case, xs, state)
+    rows, ref_out = [], None
+    for label, fn in impls(case, shape["K"], block_vs, interpret):
+        row = {"case": case.name, "T": case.T, "impl": label, "bytes": nbytes, "floor_us": floor_s * 1e6}
+        try:
+            f = jax.jit(fn)
+            outs = jax.block_until_ready(f(xs, state))
+            t_call = time_call(f, (xs, state), iters)
+            t_loop = time_loop(fn, xs_sets, state, iters)
+        except Exception as e:      # a kernel variant that fails to compile / run: record it, go on
+            if ref_out is None:     # the XLA reference must work
+                raise
+            rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+            continue
+        is_ref = ref_out is None
+        if is_ref:
+            ref_out = outs
+        row.update(us_call=t_call * 1e6, us_loop=t_loop * 1e6,
+                   pct_floor_call=100 * floor_s / t_call, pct_floor_loop=100 * floor_s / t_loop,
+                   rmse_s_f64=_rel_rmse(outs[-1], s64),
+                   rmse_o_f64=None if o64 is None else _rel_rmse(outs[0], o64))
+        for name, i in (("s", -1), ("o", 0)):
+            if is_ref or (name == "o" and case.commit):
+                row[f"max_abs_{name}"] = row[f"max_rel_{name}"] = None
+                continue
+            ref = np.asarray(ref_out[i], np.float64)
+            d = float(np.abs(np.asarray(outs[i], np.float64) - ref).max())
+            row[f"max_abs_{name}"] = d
+            row[f"max_rel_{name}"] = d / max(float(np.abs(ref).max()), 1e-30)
+        rows.append(row)
+    return rows
+
+
+def _fmt(x, spec):
+    width = int(spec.split(".")[0])
+    return "-".rjust(width) if x is None else format(x, spec)
+
+
+def print_table(rows, copy_bw):
+    print(f"\ndevice copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)")
+    head = (f"{'case':7s} {'T':>3s} {'impl':28s} {'us/call':>9s} {'us/loop':>9s} {'floor us':>9s} "
+            f"{'%floor':>7s} {'max|do|':>9s} {'max|ds|':>9s} {'relo':>8s} {'rels':>8s} "
+            f"{'rmse o64':>9s} {'rmse s64':>9s}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:7s} {r['T']:3d} {r['impl']:28s} FAILED: {r['error'][:200]}")
+            continue
+        print(f"{r['case']:7s} {r['T']:3d} {r['impl']:28s} {r['us_call']:9.2f} {r['us_loop']:9.2f} "
+              f"{r['floor_us']:9.3f} {r['pct_floor_loop']:6.1f}% {_fmt(r['max_abs_o'], '9.2e')} "
+              f"{_fmt(r['max_abs_s'], '9.2e')} {_fmt(r['max_rel_o'], '8.1e')} {_fmt(r['max_rel_s'], '8.1e')} "
+              f"{_fmt(r['rmse_o_f64'], '9.1e')} {r['rmse_s_f64']:9.1e}")
+    print("%floor: of the loop time; max|d.|, rel.: vs the XLA row of the case; rmse .64: relative RMSE "
+          "vs the float64 oracle\n")
+
+
+def main(argv=None) -> dict:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.iters < 1:
+        ap.error(f"--iters must be >= 1, got {a.iters}")
+    try:
+        block_vs = [int(x) for x in a.block_v.split(",") if x.strip()] or [None]
+    except ValueError:
+        ap.error(f"--block-v must be comma-separated integers, got {a.block_v!r}")
+    if not a.no_xla_defaults:
+        xla_env.configure()
+    import jax
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from bench.batch1 import measure_copy_bandwidth
+    from bench.common import save_result
+    backend = jax.default_backend()
+    if not a.interpret and backend != "gpu":
+        ap.error(f"the Pallas kernels compile for an NVIDIA Hopper GPU; this backend is {backend!r}: pass "
+                 "--interpret for a smoke run at small shapes")
+    interpret = plgpu.InterpretGPUParams() if a.interpret else False
+    shape = SMALL if a.interpret else LING
+    for bv in block_vs:
+        if bv is not None and (shape["K"] % bv or bv % 8):
+            ap.error(f"--block-v {bv} must divide V={shape['K']} and be a multiple of 8")
+    copy_bytes = (a.copy_mib or (1024 if backend == "gpu" else 8)) << 20
+    copy_bw = measure_copy_bandwidth(copy_bytes)
+    rows = []
+    for case in CASES:
+        print(f"{case.name} T={case.T} ...", file=sys.stderr, flush=True)
+        rows.extend(run_case(case, shape, block_vs, interpret, a.iters, copy_bw))
+    print_table(rows, copy_bw)
+    rec = {"bench": "kernels", "shape": {**shape, "V": shape["K"]}, "interpret": a.interpret,
+           "input_dtypes": {"q,k,v,beta": "bfloat16", "g,state": "float32"}, "commit_n": COMMIT_N,
+           "iters": a.iters, "copy_bytes_per_s": copy_bw, "copy_probe_bytes": copy_bytes,
+           "rows": rows, "flags": vars(a)}
+    rec["result_path"] = str(save_result("kernels", rec, a.out))
+    return rec
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,604 @@
+"""Chunked KDA forward (prefill) in Pallas Mosaic GPU (`plgpu.kernel`), for the H200 (sm_90a).
+
+Same math as :func:`lingjax.ops.kda.kda_chunked`, over packed sequences:
+
+    q, k, g [T, H, K]   q, k L2-normalised (cast to bf16 here); g = per-channel log decay in [-9, 0]
+    v       [T, H, V]   (cast to bf16)
+    beta    [T, H]      fp32
+    cu_seqlens [S+1]    int32 sequence starts, cu[0] = 0, cu[S] = T (default: one sequence)
+    initial_state [S, H, K, V] fp32 or None (zeros)
+    -> (o [T, H, V] out_dtype (fp32 by default), final state [S, H, K, V] fp32)
+
+[B, T, H, K] inputs (B equal-length sequences) are accepted too and give o [B, T, H, V].
+Two entry points: :func:`kda_prefill_pallas` takes g, normalised q, k and beta (the recurrence
+and the in-chunk cumulative sum of g are fused); :func:`kda_prefill_fused_pallas` also fuses the
+L2 norm of q, k, Ling's safe gate and the beta sigmoid into kernel 1 (raw projections in).
+
+Design
+------
+Chunks of C = 64 tokens (the WGMMA M tile). Two kernels, because the intra-chunk work is
+parallel over (chunk, head) while the state pass is serial over chunks:
+
+1. ``_prep`` -- grid (chunk slot, head), one warpgroup. TMA-loads the chunk's rows of q, k, v, g
+   (or f), beta into unswizzled SMEM (a chunk may start at any token; TMA zero-fills past T),
+   zeroes the rows past the sequence's end, then:
+     G      in-chunk cumulative log decay, in place in SMEM by a 64-step fp32 row loop (exact;
+            ``cumsum`` does not lower); G_C (last row, fp32) is written out.
+     Akk    = beta_i sum_d k_i k_j exp(G_i - G_j), j < i, and Aqk (j <= i, scale folded in q), by
+            WGMMA over the head dim in 64-channel parts. exp(G_i - G_j) = exp(G_i - M) exp(M - G_j)
+            with M = G at the middle of each 16-token column block, one [64, 16] accumulator
+            slice per block; rows above the block are masked *before* the exp, so each factor is
+            at most exp(8 max|g|): fine for g >= -9 (below, factors reach fp32 subnormals and
+            lose precision); the safe gate keeps g > -5. Entries above the diagonal may overflow
+            and are selected away, never multiplied.
+     T^-1   = (I + Akk)^-1 block-recursively: the inverse of the 2x2 diagonal blocks is I - L;
+            for b = 2, 4, ..., 32 the inverse of the 2b-blocks is D - D E D (D: inverse so far,
+            E: L's blocks below D's inside each 2b-block): 10 dependent 64x64x64 products, each
+            3 WGMMAs on bf16 hi + lo splits (~2^-16 accurate). Every factor is a bounded
+            sub-inverse; the Neumann product (I - L)(I + L^2)...(I + L^32) is exact in theory
+            but its powers of L grow combinatorially for correlated keys (1e+5 error at a mean
+            key cosine of 0.8 in fp32), so it is not used.
+     W = T^-1 diag(beta) (exp(G) k),  U = T^-1 diag(beta) v  (beta on T^-1's columns keeps v exact)
+     Kd = k exp(G_C - G),  Qg = scale q exp(G),  Aqk.
+   Outputs live in chunk space [N, H, 64, .] (N = ceil(T/64) + S - 1 slots, every sequence starts
+   a chunk, unused slots are zeros), so kernel 2 reads aligned, swizzled tiles. SMEM is reused
+   phase by phase through RefUnions: ~106 KiB, so two CTAs fit on an SM.
+2. ``_state`` -- grid (sequence, head, V block of ``block_v``), one warpgroup, serial loop over
+   the sequence's chunks with the fp32 state tile S [K, block_v] in registers:
+     V' = U - W S;  O = Qg S + Aqk V';  S <- exp(G_C) S + Kd^T V'
+   WGMMAs with M = 64 or 128 (= K), N = block_v; S and V' are the B operands, in SMEM as bf16
+   hi + lo (8 WGMMAs per chunk). The next chunk's tiles are TMA-prefetched into a second slot.
+   O rows are stored by TMA in pieces of 64/32/.../1 rows, so a sequence's partial last chunk
+   never writes into the next sequence. block_v = 32: H * V / 32 = 128 programs (132 SMs).
+
+Why C = 64 with 16-token decay blocks rather than 16-token chunks: WGMMA needs M = 64, and the
+serial state pass costs per chunk, so 64-token chunks quarter its length (128 steps at T = 8192)
+while the 16-token reference blocks keep the exp(+-G) factors in range as 16-token chunks would.
+
+Accuracy: fp32 cumsum, decay factors, inverse and state; bf16 MMA operands for the decay-scaled
+k, q factors, W, U, Kd, Qg, Aqk (as FLA's chunk kernel). Relative RMSE vs float64 ~3e-3 on random
+inputs (bar 5e-3); keys with a mean cosine near 1 and almost no decay reach ~9e-3.
+
+Status: NOT YET RUN ON A GPU. Checked on CPU (jax 0.12.0.1 and 0.11.2): interpret mode with race
+detection vs lingjax.ops.kda and the float64 oracle; cross-lowering for CUDA at H=32, K=V=128
+(tests/test_pallas_kda_prefill.py). NOT checked: ptxas (registers, spills), GPU correctness,
+speed (bench/kda_prefill_timing.py). Expected costs: kernel 1 runs ~7 exps per (token, head,
+channel) and loads unswizzled tiles (bank conflicts); kernel 2 is latency-bound.
+
+API notes (same in jax 0.11.2 and 0.12): Lane lowering semantics, set explicitly (the default,
+Warpgroup, rejects a dynamic TMA start into tiled SMEM); TMA into tiled SMEM needs 8-aligned rows,
+so packed inputs land in unswizzled SMEM; interpret mode takes WGMMA operands only from SMEM and
+has no ``pl.run_state`` (accumulators start at zero here); nested RefUnions do not unpack;
+broadcast vectors with ``lax.broadcast_in_dim`` (``x[None, :]`` finds no layout); stores to
+unswizzled SMEM need ``optimized=False`` (``plgpu.store`` in 0.12, plain ``ref[...] =`` in 0.11.2).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["CHUNK", "chunk_tables", "kda_prefill_fused_pallas", "kda_prefill_pallas"]
+
+CHUNK = 64          # tokens per chunk (WGMMA M)
+SUB = 16            # tokens per decay-reference block inside a chunk
+_BF, _F32 = jnp.bfloat16, jnp.float32
+_WG = plgpu.Layout.WGMMA
+_ROW = _WG.reduce(1)   # [M] vector indexed by tile row, broadcast along columns
+_COL = _WG.reduce(0)   # [N] vector indexed by tile column, broadcast along rows
+# No reduction crosses warps (the fused L2 norm sums along rows, inside a warp): no SMEM scratch.
+_PARAMS = dict(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True,
+               reduction_scratch_bytes=0)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _swizzled(minor_elems: int, itemsize: int = 2):
+    """Tiling + swizzle transforms for a WGMMA operand whose rows hold `minor_elems` elements."""
+    sw = min(128, minor_elems * itemsize)
+    return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
+
+
+def _load(ref, layout=_WG):
+    return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def _store(ref, x):
+    if hasattr(plgpu, "store"):          # jax >= 0.12
+        plgpu.store(ref, x, optimized=False)
+    else:                                # jax 0.11: `ref[...] =` already falls back when needed
+        ref[...] = x
+
+
+def _iota(shape, dim):
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_WG)
+
+
+def _rows(vec, n):
+    """[M] row vector -> [M, n]."""
+    return lax.broadcast_in_dim(vec, (vec.shape[0], n), [0])
+
+
+def _cols(vec, m):
+    """[N] column vector -> [m, N]."""
+    return lax.broadcast_in_dim(vec, (m, vec.shape[0]), [1])
+
+
+def _zeros(shape):
+    return plgpu.layout_cast(jnp.zeros(shape, _F32), _WG)
+
+
+# ----------------------------------------------------------------------------- chunk tables
+
+
+def chunk_tables(cu_seqlens, T: int, n_seq: int):
+    """Chunk slots of packed sequences (every sequence starts a new 64-token chunk).
+
+    cu_seqlens [S+1] int32 -> tok0 [N] (first token), ntok [N] (valid rows, 0 for unused slots),
+    clo [S], chi [S] (chunk range of each sequence; an empty sequence gets one empty chunk).
+    N = ceil(T / 64) + S - 1 bounds the number of chunks for any split of T >= 1 tokens.
+    """
+    C = CHUNK
+    N = -(-T // C) + n_seq - 1
+    cu = cu_seqlens.astype(jnp.int32)
+    lens = cu[1:] - cu[:-1]
+    nch = jnp.maximum(1, (lens + C - 1) // C)
+    chi = jnp.cumsum(nch).astype(jnp.int32)
+    clo = chi - nch
+    n = jnp.arange(N, dtype=jnp.int32)
+    s = jnp.searchsorted(chi, n, side="right").astype(jnp.int32)
+    used = s < n_seq
+    s = jnp.minimum(s, n_seq - 1)
+    tok0 = cu[s] + C * (n - clo[s])
+    ntok = jnp.where(used, jnp.clip(cu[s + 1] - tok0, 0, C), 0)
+    return jnp.where(used, tok0, 0), ntok, clo, chi
+
+
+# ----------------------------------------------------------------------------- kernel 1
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _prep_body(K, V, scale, lower_bound, *refs):
+    """Kernel 1. With ``lower_bound`` set (fused preprocessing) the inputs are raw q, k, the gate
+    projection f (instead of g), beta logits, dt_bias [H, K] and exp(A_log) [H]."""
+    C, KP = CHUNK, 64
+    fused = lower_bound is not None
+    # SMEM reuse (RefUnion groups, disjoint lifetimes): v_or_rw = v | W's rhs, then W;
+    # g_or_inv = g -> G in place | D, E (bf16 hi, lo) of the inverse; d_or_rv = Akk/Aqk operands
+    # | U's rhs (v), then U | (fused only) the gate projection f, dead after step 1.
+    if fused:
+        (tok0_g, ntok_g, q_g, k_g, v_g, f_g, b_g, dtb_g, a_g, w_g, u_g, kd_g, qg_g, aqk_g, gc_g,
+         q_s, k_s, v_or_rw, g_or_inv, d_or_rv, b_s, dtb_s, bars) = refs
+        (bc_s, a_s), (rv_s,), (f_s,) = d_or_rv
+    else:
+        (tok0_g, ntok_g, q_g, k_g, v_g, g_g, b_g, w_g, u_g, kd_g, qg_g, aqk_g, gc_g,
+         q_s, k_s, v_or_rw, g_or_inv, d_or_rv, b_s, bars) = refs
+        (bc_s, a_s), (rv_s,) = d_or_rv
+    n, h = lax.axis_index("n"), lax.axis_index("h")
+    t0, nt = tok0_g[n], ntok_g[n]
+    (v_s,), (rw_s,) = v_or_rw
+    (g_s,), (d_op, e_op) = g_or_inv
+    rows = pl.ds(t0, C)
+    first = (f_g.at[rows, h, :], f_s) if fused else (g_g.at[rows, h, :], g_s)
+    loads = [first, (b_g.at[h, rows], b_s), (k_g.at[rows, h, :], k_s),
+             (q_g.at[rows, h, :], q_s), (v_g.at[rows, h, :], v_s)]
+    if fused:
+        loads.append((dtb_g.at[h], dtb_s))
+    for i, (src, dst) in enumerate(loads):
+        plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+
+    # 1. G = in-chunk cumulative sum of g over the valid rows (exact fp32 row loop; in place, or
+    #    from the safe gate g = lower_bound * sigmoid(exp(A_log) (f + dt_bias)) when fused).
+    plgpu.barrier_wait(bars.at[0])
+    # One channel per thread (K = 128), or rows in the replicated column layout (K = 64).
+    strided = plgpu.Layout.WG_STRIDED((K,), vec_size=1) if K == 128 else _COL
+    if fused:
+        plgpu.barrier_wait(bars.at[5])
+        dtb, a_h = _load(dtb_s, strided), a_g[h]
+        def g_row(r):
+            return lower_bound * _sigmoid(a_h * (_load(f_s.at[r], strided).astype(_F32) + dtb))
+    else:
+        g_row = lambda r: _load(g_s.at[r], strided)
+
+    def cumsum_row(r, acc):
+        acc = acc + jnp.where(r < nt, g_row(r), 0.0)
+        _store(g_s.at[r], acc)
+        return acc
+
+    lax.fori_loop(0, C, cumsum_row, plgpu.layout_cast(jnp.zeros((K,), _F32), strided))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(g_s.at[C - 1], gc_g.at[n, h])        # G_C
+
+    # Column parts of KP = 64 channels keep every [C, KP] fp32 tile at 32 registers per thread.
+    row = _iota((C, KP), 0)
+    valid = row < nt
+    part = lambda ref, p: ref.at[:, pl.ds(p * KP, KP)]
+    G = lambda p: _load(part(g_s, p))
+    for i in (1, 2, 3):
+        plgpu.barrier_wait(bars.at[i])
+    if fused:    # L2 norm: per-row factors applied where q, k are used (no extra bf16 rounding)
+        inv_norm = lambda ref: lax.rsqrt(jnp.sum(jnp.square(_load(ref).astype(_F32)), axis=1) + 1e-6)
+        rk, rq = inv_norm(k_s), inv_norm(q_s) * scale              # [C] row vectors
+        k_scale, q_scale = (lambda: _rows(rk, KP)), (lambda: _rows(rq, KP))
+    else:
+        k_scale, q_scale = (lambda: 1.0), (lambda: scale)
+    kf = lambda p: jnp.where(valid, _load(part(k_s, p)).astype(_F32) * k_scale(), 0.0)
+    qf = lambda p: jnp.where(valid, _load(part(q_s, p)).astype(_F32) * q_scale(), 0.0)
+    ref_row = lambda r, p: _load(g_s.at[r, pl.ds(p * KP, KP)], _COL)
+    refs = lambda p: [ref_row(SUB * J + SUB // 2 - 1, p) for J in range(C // SUB)]
+    beta_of = _sigmoid if fused else (lambda x: x)
+    bvec = jnp.where(plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=_ROW) < nt,
+                     beta_of(_load(b_s, _ROW)), 0.0)
+    beta_rows = _rows(bvec, KP)
+
+    # 2. Akk (strict) and Aqk (inclusive): per channel part, per 16-column block (own reference);
+    #    A tiles double-buffered so the next tile is built while the previous WGMMA runs.
+    def intra(acc_kk, acc_qk):
+        n_mma = 0
+        for p in range(K // KP):
+            m = refs(p)
+            msel = _cols(m[0], C)                                  # each row's own reference
+            for J in range(1, C // SUB):
+                msel = jnp.where(row >= SUB * J, _cols(m[J], C), msel)
+            if p:
+                plgpu.wgmma_wait(0)                                # bc_s is rewritten
+            _store(bc_s, (kf(p) * jnp.exp(msel - G(p))).astype(_BF))   # k_j exp(M_J(j) - G_j)
+            for J in range(C // SUB):
+                cols = pl.ds(SUB * J, SUB)
+                e = jnp.exp(jnp.where(row >= SUB * J, G(p) - _cols(m[J], C), -jnp.inf))
+                for acc, a_val in ((acc_kk, beta_rows * kf(p) * e), (acc_qk, qf(p) * e)):
+                    buf = n_mma % 2
+                    if n_mma >= 2:
+                        plgpu.wgmma_wait(1)                        # the MMA reading a_s[buf] is done
+                    _store(a_s.at[buf], a_val.astype(_BF))
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc.at[:, cols], a_s.at[buf], bc_s.at[cols].transpose((1, 0)))
+                    n_mma += 1
+        return acc_kk[...], acc_qk[...]
+
+    akk, aqk = pl.run_scoped(intra, plgpu.ACC((C, C), _F32), plgpu.ACC((C, C), _F32))
+    ri, ci = _iota((C, C), 0), _iota((C, C), 1)
+    akk = jnp.where(ri > ci, akk, 0.0)
+    aqk = jnp.where(ri >= ci, aqk, 0.0)
+
+    # 3. Right-hand sides of U (v: beta goes on T^-1's columns, so v stays exact) and W (exp(G) k,
+    #    written over v), then Kd and Qg in place of k and q.
+    plgpu.barrier_wait(bars.at[4])
+    _store(rv_s, jnp.where(_iota((C, V), 0) < nt, _load(v_s), 0.0).astype(_BF))
+    for p in range(K // KP):
+        eg = jnp.exp(G(p))
+        g_last = _cols(ref_row(C - 1, p), C)
+        _store(part(rw_s, p), (kf(p) * eg).astype(_BF))
+        _store(part(q_s, p), (qf(p) * eg).astype(_BF))
+        _store(part(k_s, p), (kf(p) * jnp.exp(g_last - G(p))).astype(_BF))
+
+    # 4. (I + Akk)^-1, block-recursively: D = inverse of the 2x2 diagonal blocks (I - L there),
+    #    then for b = 2, 4, ..., 32 the inverse of the 2b-blocks is D - D E D, E = L's blocks
+    #    below D's blocks inside each 2b-block. Every factor is a true (bounded) sub-inverse, so
+    #    this stays accurate for strongly correlated keys, unlike the Neumann product
+    #    (I - L)(I + L^2)...(I + L^32), whose powers of L grow combinatorially. g_s's memory is
+    #    the scratch now.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # G_C store has read g_s
+
+    def mm3(a, b):                                                 # a @ b, ~2^-16 accurate
+        def body(acc):
+            plgpu.wgmma(acc, a.at[0], b.at[0])
+            plgpu.wgmma(acc, a.at[0], b.at[1])
+            plgpu.wgmma(acc, a.at[1], b.at[0])
+            return acc[...]
+        return pl.run_scoped(body, plgpu.ACC((C, C), _F32))
+
+    xor = jnp.bitwise_xor(ri, ci)                                  # < 2b: same 2b-block
+    lower = ri > ci
+    d = jnp.where(ri == ci, 1.0, 0.0) - jnp.where(lower & (xor < 2), akk, 0.0)
+    b = 2
+    while b < C:
+        _split_store(d_op, d)
+        _split_store(e_op, jnp.where(lower & (xor >= b) & (xor < 2 * b), akk, 0.0))
+        plgpu.commit_smem()
+        de = mm3(d_op, e_op)
+        _split_store(e_op, de)                                     # E is consumed
+        plgpu.commit_smem()
+        d = d - mm3(e_op, d_op)
+        b *= 2
+
+    # 5. W = T^-1 diag(beta) (exp(G) k), U = T^-1 diag(beta) v, in place of their right-hand
+    #    sides; Aqk is staged in E's (now free) buffer.
+    beta_c = jnp.where(plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=_COL) < nt,
+                       beta_of(_load(b_s, _COL)), 0.0)
+    _split_store(d_op, d * _cols(beta_c, C))
+    aqk_s = e_op.at[0]
+    _store(aqk_s, aqk.astype(_BF))
+    plgpu.commit_smem()
+
+    def wu(acc_w, acc_u):
+        for acc, rhs in ((acc_w, rw_s), (acc_u, rv_s)):
+            plgpu.wgmma(acc, d_op.at[0], rhs)
+            plgpu.wgmma(acc, d_op.at[1], rhs)
+        return acc_w[...], acc_u[...]
+
+    w, u = pl.run_scoped(wu, plgpu.ACC((C, K), _F32), plgpu.ACC((C, V), _F32))
+    _store(rw_s, w.astype(_BF))
+    _store(rv_s, u.astype(_BF))
+    plgpu.commit_smem()
+    for src, dst in ((rw_s, w_g), (rv_s, u_g), (k_s, kd_g), (q_s, qg_g), (aqk_s, aqk_g)):
+        plgpu.copy_smem_to_gmem(src, dst.at[n, h])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _prep(tok0, ntok, q, k, v, g, beta_t, gate, scale, interpret):
+    """Kernel 1 over all N chunk slots and H heads; see the module docstring.
+
+    gate: None (g is the log decay) or (dt_bias [H, K], exp(A_log) [H], lower_bound) with g the
+    raw gate projection f (fused preprocessing).
+    """
+    C = CHUNK
+    N = tok0.shape[0]
+    _, H, K = k.shape
+    V = v.shape[-1]
+    sd = lambda *shape, dt=_BF: jax.ShapeDtypeStruct(shape, dt)
+    tiled = lambda shape, minor: plgpu.SMEM(shape, _BF, transforms=_swizzled(minor))
+    late = ((tiled((C, 64), 64), tiled((2, C, 64), 64)),           # Akk/Aqk B and A (x2)
+            (tiled((C, V), V),))                                   # rhs U -> U
+    if gate is not None:
+        late += ((plgpu.SMEM((C, K), _BF),),)                      # f, dead after step 1
+    scratch = [
+        plgpu.SMEM((C, K), _BF),                                   # q -> Qg
+        plgpu.SMEM((C, K), _BF),                                   # k -> Kd
+        plgpu.RefUnion((plgpu.SMEM((C, V), _BF),), (tiled((C, K), K),)),   # v; rhs W -> W
+        plgpu.RefUnion((plgpu.SMEM((C, K), _F32),), (tiled((2, C, C), C),) * 2),  # G; D, E
+        plgpu.RefUnion(*late),
+        plgpu.SMEM((C,), _F32),                                    # beta (or its logits)
+    ]
+    args = [tok0, ntok, q, k, v, g, beta_t]
+    lower_bound = None
+    if gate is not None:
+        dt_bias, a_exp, lower_bound = gate
+        scratch.append(plgpu.SMEM((K,), _F32))                     # dt_bias row of this head
+        args += [dt_bias, a_exp]
+    scratch.append(plgpu.Barrier(num_barriers=6 if gate is not None else 5))
+    return plgpu.kernel(
+        functools.partial(_prep_body, K, V, scale, lower_bound),
+        out_type=(sd(N, H, C, K), sd(N, H, C, V), sd(N, H, C, K), sd(N, H, C, K), sd(N, H, C, C),
+                  sd(N, H, K, dt=_F32)),
+        scratch_types=tuple(scratch),
+        grid=(N, H),
+        grid_names=("n", "h"),
+        compiler_params=plgpu.CompilerParams(**_PARAMS),
+        interpret=interpret if interpret else None,
+    )(*args)
+
+
+# ----------------------------------------------------------------------------- kernel 2
+
+
+def _split_store(ref, x):
+    """ref[0], ref[1] = bf16 hi, lo parts of the fp32 x (x ~ hi + lo to ~2^-16 relative)."""
+    hi = x.astype(_BF)
+    _store(ref.at[0], hi)
+    _store(ref.at[1], (x - hi.astype(_F32)).astype(_BF))
+
+
+def _store_rows(o_s, o_g, r0, nrows, h, cols):
+    """TMA-store rows [0, nrows) of o_s to o_g[r0:r0+nrows, h, cols] in power-of-two pieces."""
+    off = 0                                    # static for the first piece, traced after
+    size = o_s.shape[0]
+    while size >= 1:
+        @pl.when((nrows & size) != 0)
+        def _(off=off, size=size):
+            plgpu.copy_smem_to_gmem(o_s.at[pl.ds(off, size)], o_g.at[pl.ds(r0 + off, size), h, cols])
+
+        off = off + (nrows & size)
+        size //= 2
+
+
+def _state_body(K, V, bv, has_s0, clo_g, chi_g, cu_g, w_g, u_g, kd_g, qg_g, aqk_g, gc_g, *refs):
+    C = CHUNK
+    if has_s0:
+        s0_g, *refs = refs
+    o_g, st_g, w_s, qg_s, kd_s, aqk_s, u_s, gc_s, s_op, vp_op, o_s, s_io, bars, s0_bar = refs
+    s, h, j = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("j")
+    cols = pl.ds(pl.multiple_of(j * bv, bv), bv)
+    lo, hi = clo_g[s], chi_g[s]
+    tok_lo, tok_hi = cu_g[s], cu_g[s + 1]
+    nbuf = 6
+
+    def issue(c, slot):
+        srcs = (w_g.at[c, h], qg_g.at[c, h], kd_g.at[c, h], aqk_g.at[c, h], u_g.at[c, h, :, cols],
+                gc_g.at[c, h])
+        dsts = (w_s, qg_s, kd_s, aqk_s, u_s, gc_s)
+        for i, (src, dst) in enumerate(zip(srcs, dsts)):
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[slot * nbuf + i])
+
+    issue(lo, 0)
+    if has_s0:
+        plgpu.copy_gmem_to_smem(s0_g.at[s, h, :, cols], s_io, s0_bar.at[0])
+        plgpu.barrier_wait(s0_bar.at[0])
+        S = _load(s_io)
+    else:
+        S = _zeros((K, bv))
+
+    def chunk(c, S):
+        i = c - lo
+        slot = lax.rem(i, jnp.int32(2))
+
+        @pl.when(c + 1 < hi)
+        def _():
+            issue(c + 1, 1 - slot)
+
+        for b in range(nbuf):
+            plgpu.barrier_wait(bars.at[slot * nbuf + b])
+        _split_store(s_op, S)
+        plgpu.commit_smem()
+
+        def first(acc_ws, acc_o):                                  # W S and Qg S
+            for part in (0, 1):
+                plgpu.wgmma(acc_ws, w_s.at[slot], s_op.at[part])
+                plgpu.wgmma(acc_o, qg_s.at[slot], s_op.at[part])
+            return acc_ws[...], acc_o[...]
+
+        ws, o = pl.run_scoped(first, plgpu.ACC((C, bv), _F32), plgpu.ACC((C, bv), _F32))
+        _split_store(vp_op, _load(u_s.at[slot]).astype(_F32) - ws)    # V' = U - W S
+        plgpu.commit_smem()
+
+        def second(acc_s, acc_o):                                  # Kd^T V' and Aqk V'
+            for part in (0, 1):
+                plgpu.wgmma(acc_s, kd_s.at[slot].transpose((1, 0)), vp_op.at[part])
+                plgpu.wgmma(acc_o, aqk_s.at[slot], vp_op.at[part])
+            return acc_s[...], acc_o[...]
+
+        ds, do = pl.run_scoped(second, plgpu.ACC((K, bv), _F32), plgpu.ACC((C, bv), _F32))
+        S = S * _rows(jnp.exp(_load(gc_s.at[slot], _ROW)), bv) + ds   # exp(G_C) S + Kd^T V'
+        o = o + do
+        r0 = tok_lo + i * C
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)            # previous O store has read o_s
+        _store(o_s, o.astype(o_s.dtype))
+        plgpu.commit_smem()
+        _store_rows(o_s, o_g, r0, jnp.minimum(C, tok_hi - r0), h, cols)
+        return S
+
+    S = lax.fori_loop(lo, hi, chunk, S)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _store(s_io, S)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(s_io, st_g.at[s, h, :, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _state(clo, chi, cu, w, u, kd, qg, aqk, gc, s0, T, bv, out_dtype, interpret):
+    """Kernel 2 over (sequence, head, V block); see the module docstring."""
+    C = CHUNK
+    _, H, _, K = w.shape
+    V = u.shape[-1]
+    S = clo.shape[0]
+    op = _swizzled(bv)                   # every WGMMA operand here shares the B operands' swizzle
+    args = (clo, chi, cu, w, u, kd, qg, aqk, gc) + (() if s0 is None else (s0,))
+    return plgpu.kernel(
+        functools.partial(_state_body, K, V, bv, s0 is not None),
+        out_type=(jax.ShapeDtypeStruct((T, H, V), out_dtype),
+                  jax.ShapeDtypeStruct((S, H, K, V), _F32)),
+        scratch_types=(
+            plgpu.SMEM((2, C, K), _BF, transforms=op),                     # W
+            plgpu.SMEM((2, C, K), _BF, transforms=op),                     # Qg
+            plgpu.SMEM((2, C, K), _BF, transforms=op),                     # Kd
+            plgpu.SMEM((2, C, C), _BF, transforms=op),                     # Aqk
+            plgpu.SMEM((2, C, bv), _BF, transforms=op),                    # U (column block)
+            plgpu.SMEM((2, K), _F32),                                      # G_C
+            plgpu.SMEM((2, K, bv), _BF, transforms=op),                    # S hi, lo (B operand)
+            plgpu.SMEM((2, C, bv), _BF, transforms=op),                    # V' hi, lo (B operand)
+            plgpu.SMEM((C, bv), out_dtype),                                # O staging
+            plgpu.SMEM((K, bv), _F32),                                     # state in / out
+            plgpu.Barrier(num_barriers=12),
+            plgpu.Barrier(num_barriers=1),
+        ),
+        grid=(S, H, V // bv),
+        grid_names=("s", "h", "j"),
+        compiler_params=plgpu.CompilerParams(**_PARAMS),
+        interpret=interpret if interpret else None,
+    )(*args)
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def _prefill(q, k, v, g, beta, gate, initial_state, scale, cu_seqlens, out_dtype, block_v,
+             interpret):
+    """Shared wrapper: [B, T, ...] -> packed, checks, chunk tables, the two kernels."""
+    batched = k.ndim == 4
+    if batched:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens is only for packed [T, H, K] inputs, got [B, T, H, K] ones")
+        B, T1 = k.shape[:2]
+        q, k, v, g, beta = (x.reshape(B * T1, *x.shape[2:]) for x in (q, k, v, g, beta))
+        cu_seqlens = jnp.arange(B + 1, dtype=jnp.int32) * T1
+    if k.ndim != 3:
+        raise ValueError(f"k must be [T, H, K] or [B, T, H, K], got shape {k.shape}")
+    T, H, K = k.shape
+    V = v.shape[-1]
+    if T < 1:
+        raise ValueError("T must be >= 1")
+    g_name, b_name = ("f", "beta_logits") if gate is not None else ("g", "beta")
+    for name, x, shape in (("q", q, (T, H, K)), (g_name, g, (T, H, K)), ("v", v, (T, H, V)),
+                           (b_name, beta, (T, H))):
+        if x.shape != shape:
+            raise ValueError(f"{name} has shape {x.shape}, expected {shape} (from k {k.shape})")
+    if K not in (64, 128):
+        raise ValueError(f"K={K} must be 64 or 128 (64-channel WGMMA parts; larger K overflows "
+                         "the 227 KiB of SMEM)")
+    out_dtype = jnp.dtype(out_dtype)
+    if V % 64 or V > 256:
+        raise ValueError(f"V={V} must be a multiple of 64 (a WGMMA operand tile), at most 256")
+    if V % block_v or block_v % 16 or (block_v * out_dtype.itemsize) % 128:
+        raise ValueError(f"block_v={block_v} must divide V={V}, be a multiple of 16 and fill "
+                         f"whole 128-byte rows of {out_dtype.name}; try 32 (fp32) or 64 (bf16)")
+    if cu_seqlens is None:
+        cu_seqlens = jnp.array([0, T], jnp.int32)
+    if isinstance(cu_seqlens, (np.ndarray, list, tuple)):
+        cu_np = np.asarray(cu_seqlens)
+        if cu_np.ndim != 1 or cu_np[0] != 0 or cu_np[-1] != T or np.any(np.diff(cu_np) < 0):
+            raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cu_np.tolist()}")
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    n_seq = cu.shape[0] - 1
+    if initial_state is not None and initial_state.shape != (n_seq, H, K, V):
+        raise ValueError(f"initial_state shape {initial_state.shape} != {(n_seq, H, K, V)}")
+    scale = float(K ** -0.5 if scale is None else scale)
+
+    tok0, ntok, clo, chi = chunk_tables(cu, T, n_seq)
+    # beta as [H, T'] (contiguous per head for TMA; T' keeps the row stride a multiple of 16 B)
+    beta_t = jnp.pad(beta.astype(_F32).T, ((0, 0), (0, (-T) % 4)))
+    g = g.astype(_BF if gate is not None else _F32)
+    w, u, kd, qg, aqk, gc = _prep(tok0, ntok, q.astype(_BF), k.astype(_BF), v.astype(_BF), g,
+                                  beta_t, gate, scale, interpret)
+    s0 = None if initial_state is None else initial_state.astype(_F32)
+    o, s_final = _state(clo, chi, cu, w, u, kd, qg, aqk, gc, s0, T, block_v, out_dtype, interpret)
+    if batched:
+        o = o.reshape(B, T1, H, V)
+    return o, s_final
+
+
+def kda_prefill_pallas(q, k, v, g, beta, initial_state=None, scale=None, *, cu_seqlens=None,
+                       out_dtype=jnp.float32, block_v=32, interpret=False):
+    """Chunked KDA forward over packed sequences (recurrence only); see the module docstring.
+
+    q, k [T, H, K] L2-normalised; g [T, H, K] log decay (>= -9 per token); v [T, H, V];
+    beta [T, H]; cu_seqlens [S+1] int32 (None: one sequence). Or [B, T, H, .] inputs with
+    cu_seqlens=None (B sequences of T tokens). initial_state [S, H, K, V] or None.
+    K in {64, 128}; V % 64 == 0, V <= 256; block_v divides V and block_v * itemsize(out_dtype)
+    is a multiple of 128 bytes (fp32: 32, 64, 128; bf16: 64, 128).
+    ``interpret``: False (compile for the GPU) or a ``plgpu.InterpretGPUParams``.
+    Returns (o [T, H, V] or [B, T, H, V] in out_dtype, final state [S, H, K, V] float32).
+    """
+    return _prefill(q, k, v, g, beta, None, initial_state, scale, cu_seqlens, out_dtype,
+                    block_v, interpret)
+
+
+def kda_prefill_fused_pallas(q, k, v, f, beta_logits, A_log, dt_bias, initial_state=None,
+                             scale=None, *, lower_bound=-5.0, cu_seqlens=None,
+                             out_dtype=jnp.float32, block_v=32, interpret=False):
+    """As :func:`kda_prefill_pallas`, with the preprocessing fused into kernel 1: q, k are the
+    raw (pre-L2-norm) projections, f [T, H, K] the raw gate projection (W_f x, cast to bf16),
+    beta_logits [T, H] (W_b x), A_log [H], dt_bias [H*K]. In the kernel: q, k / sqrt(sum^2 +
+    1e-6), g = lower_bound * sigmoid(exp(A_log) (f + dt_bias)) (Ling's safe gate; Kimi's
+    softplus gate is unbounded and not supported), beta = sigmoid(beta_logits).
+    Padding: f = beta_logits = -inf on a token gives g = 0, beta = 0, an exact identity update
+    (how a caller masks tokens past a valid length).
+    """
+    if not -9.0 <= lower_bound < 0.0:
+        raise ValueError(f"lower_bound={lower_bound} must be in [-9, 0): the in-chunk decay "
+                         "factors need g >= -9 per token")
+    H, K = k.shape[-2:]
+    if A_log.shape != (H,) or dt_bias.size != H * K:
+        raise ValueError(f"A_log {A_log.shape} / dt_bias {dt_bias.shape} must be [{H}] / [{H * K}]")
+    gate = (dt_bias.astype(_F32).reshape(H, K), jnp.exp(A_log.astype(_F32)), float(lower_bound))
+    return _prefill(q, k, v, f, beta_logits, gate, initial_state, scale, cu_seqlens, out_dtype,
+                    block_v, interpret)

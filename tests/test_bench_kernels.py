@@ -1,0 +1,62 @@
+"""CPU smoke test of bench/kernels.py: Pallas kernels in interpret mode at small shapes against
+their XLA references (table, JSON line and result file produced, errors small; no timing asserted)."""
+import json
+
+import jax
+import pytest
+
+from bench import kernels
+
+BASE = ["--interpret", "--iters", "2", "--no-xla-defaults", "--copy-mib", "4"]
+
+
+def test_kernels_smoke(tmp_path, capsys):
+    rec = kernels.main(BASE + ["--block-v", "16,32", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "us/call" in out and "%floor" in out
+    assert json.loads(out.strip().splitlines()[-1])["bench"] == "kernels"
+    saved = json.loads(open(rec["result_path"]).read())
+    assert saved["interpret"] and saved["shape"] == {"B": 1, "H": 2, "K": 64, "V": 64} and "env" in saved
+    rows = saved["rows"]
+    assert [(r["case"], r["T"]) for r in rows[::3]] == [("decode", 1), ("verify", 9), ("verify", 16), ("commit", 9)]
+    assert [r["impl"] for r in rows[:3]] == ["xla kda_step", "pallas bv=16", "pallas bv=32"]
+    for r in rows:
+        assert r["us_call"] > 0 and r["us_loop"] > 0 and r["bytes"] > 2 * 2 * 64 * 64 * 4
+        assert r["rmse_s_f64"] <= 1e-5
+        assert r["rmse_o_f64"] is None if r["case"] == "commit" else r["rmse_o_f64"] <= 1e-5
+        if r["impl"].startswith("pallas"):
+            assert r["max_rel_s"] <= 1e-5
+            assert r["max_rel_o"] is None if r["case"] == "commit" else r["max_rel_o"] <= 1e-5
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--iters", "0"], "--iters must be >= 1"),
+    (["--block-v", "24"], "--block-v 24 must divide"),
+    (["--block-v", "a,b"], "comma-separated integers"),
+])
+def test_kernels_bad_flags(capsys, extra, msg):
+    with pytest.raises(SystemExit) as e:
+        kernels.main(BASE + extra)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the off-GPU error")
+def test_kernels_needs_gpu_or_interpret(capsys):
+    with pytest.raises(SystemExit) as e:
+        kernels.main(["--iters", "1", "--no-xla-defaults"])
+    assert e.value.code == 2 and "--interpret" in capsys.readouterr().err
+
+
+def test_failing_kernel_variant_is_recorded_not_fatal(tmp_path, capsys, monkeypatch):
+    from pallas_kernels import kda_decode
+
+    def broken(*args, **kw):
+        raise RuntimeError("ptxas: too many resources")
+    monkeypatch.setattr(kda_decode, "kda_recurrent_pallas", broken)
+    monkeypatch.setattr(kda_decode, "kda_state_after_prefix_pallas", broken)
+    rec = kernels.main(["--interpret", "--iters", "1", "--no-xla-defaults", "--copy-mib", "4", "--out", str(tmp_path)])
+    rows = rec["rows"]
+    assert len(rows) == 8 and all("error" not in r for r in rows[::2])
+    assert all("ptxas: too many resources" in r["error"] for r in rows[1::2])
+    assert capsys.readouterr().out.count("FAILED: RuntimeError") == 4
