@@ -83,7 +83,9 @@ def dequantize(values, scale_inv, view: Matrix, block, dtype):
     if n_in % b0 == 0 and n_out % b1 == 0:   # broadcast form (no repeated scale array)
         v = v.reshape(*stack_dims, n_in // b0, b0, n_out // b1, b1) * scale_inv[..., :, None, :, None]
     else:
-        s = jnp.repeat(jnp.repeat(scale_inv, b0, axis=-2), b1, axis=-1)[..., :n_in, :n_out]
+        # block index per row / column (a gather, not repeat + slice: sharded weights narrower than
+        # a block then need no extra collective)
+        s = jnp.take(jnp.take(scale_inv, jnp.arange(n_in) // b0, axis=-2), jnp.arange(n_out) // b1, axis=-1)
         v = v * s
     w = v.reshape([shape[a] for a in perm]).astype(dtype)
     return jnp.transpose(w, tuple(int(i) for i in np.argsort(perm)))

@@ -9,15 +9,24 @@ heads-sharded output projection, the reduction of a greedy argmax over a vocab-s
 Results are therefore the single-device results up to floating-point summation order.
 
 Mesh axes: ('ep', 'tp'). Default rules:
-    heads, kv_heads, vocab, mlp -> 'tp'      experts -> 'ep'      everything else replicated.
-A mesh axis is used at most once per array (a later dimension mapping to an axis already used is
-replicated). A dimension not divisible by its mesh axis size is an error naming the parameter, the
-logical axis, the dimension and the mesh axis (strict=False replicates that dimension instead).
+    heads, kv_heads, vocab -> 'tp'     mlp -> ('ep', 'tp')     everything else replicated.
+Every MLP intermediate (dense, shared and routed experts) is split over all ep*tp devices; the
+expert axis itself stays whole. A batch-1 decode step then costs one all-reduce per attention block
+(over tp) and one per MLP / MoE block (over ep*tp), and every device streams 1/(ep*tp) of each
+routed expert. Sharding the expert axis ('experts' -> 'ep') would make the routed-expert gather
+(`jnp.take` over a sharded axis) all-reduce the gathered expert *weights* every step; it needs an
+expert-parallel MoE kernel first. `collectives` lists what a compiled step really communicates.
+
+A mesh axis is used at most once per array (a later dimension keeps only the mesh axes of its rule
+that no earlier dimension used; with none left it is replicated). A dimension not divisible by its
+mesh axes' size is an error naming the parameter, the logical axis, the dimension and the mesh
+axes (strict=False replicates that dimension instead).
 """
 from __future__ import annotations
 
+import re
 import warnings
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import jax
 import numpy as np
@@ -26,12 +35,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("ep", "tp")
 
-DEFAULT_RULES: dict[str, str] = {
+# logical axis name -> mesh axis, tuple of mesh axes (split over their product) or None (replicated)
+Rules = Mapping[str, "str | tuple[str, ...] | None"]
+
+DEFAULT_RULES: dict[str, str | tuple[str, ...]] = {
     "heads": "tp",
     "kv_heads": "tp",
     "vocab": "tp",
-    "mlp": "tp",
-    "experts": "ep",
+    "mlp": ("ep", "tp"),
 }
 
 
@@ -77,19 +88,28 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 
 # ---- logical axes -> PartitionSpec --------------------------------------------------------------
-def logical_to_spec(logical, rules: Mapping[str, str | None] | None = None) -> P:
-    """PartitionSpec for a tuple of logical axis names (None / unknown names: replicated)."""
+def logical_to_spec(logical, rules: Rules | None = None) -> P:
+    """PartitionSpec for a tuple of logical axis names (None / unknown names: replicated). A rule
+    may name several mesh axes (a tuple): that dimension is split over their product."""
     rules = DEFAULT_RULES if rules is None else rules
     used: set[str] = set()
     out = []
     for name in logical:
         axis = rules.get(name) if name is not None else None
-        if axis is not None and axis in used:
-            axis = None
-        if axis is not None:
-            used.add(axis)
-        out.append(axis)
+        axes = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return P(*out)
+
+
+def _axis_size(mesh: Mesh, axis) -> int:
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def _axis_name(axis) -> str:
+    return axis if isinstance(axis, str) else "*".join(axis)
 
 
 def _fit_spec(spec: P, shape, mesh: Mesh, logical, where: str, strict: bool) -> P:
@@ -98,10 +118,10 @@ def _fit_spec(spec: P, shape, mesh: Mesh, logical, where: str, strict: bool) -> 
     for i, axis in enumerate(out):
         if axis is None:
             continue
-        size = mesh.shape[axis]
+        size = _axis_size(mesh, axis)
         if shape[i] % size:
             name = logical[i] if logical is not None else f"dim{i}"
-            msg = f"{name}={shape[i]} not divisible by {axis}={size} ({where})"
+            msg = f"{name}={shape[i]} not divisible by {_axis_name(axis)}={size} ({where})"
             if strict:
                 raise ShardingError(msg)
             warnings.warn(msg + ": replicated", stacklevel=3)
@@ -127,7 +147,7 @@ def variable_logical(var):
     return meta.get("logical")
 
 
-def param_shardings(model_or_abstract, mesh: Mesh, rules: Mapping[str, str | None] | None = None,
+def param_shardings(model_or_abstract, mesh: Mesh, rules: Rules | None = None,
                     *, strict: bool = True) -> dict[tuple, NamedSharding]:
     """{state path: NamedSharding} for every variable of a module (or nnx.State / abstract state from
     nnx.eval_shape), from its `logical` metadata. Variables without it are replicated."""
@@ -145,7 +165,7 @@ def param_shardings(model_or_abstract, mesh: Mesh, rules: Mapping[str, str | Non
     return out
 
 
-def shard_model(model, mesh: Mesh, rules: Mapping[str, str | None] | None = None, *, strict: bool = True):
+def shard_model(model, mesh: Mesh, rules: Rules | None = None, *, strict: bool = True):
     """device_put every variable of `model` (in place) with its sharding; returns `model`.
 
     All shardings are computed (and checked) before anything is moved, so an error leaves the model
@@ -219,13 +239,44 @@ def shard_cache(cache, cfg=None, mesh: Mesh | None = None, *, strict: bool = Tru
     return jax.device_put(cache, cache_shardings(cache, cfg, mesh, strict=strict))
 
 
+def state_shardings(state, mesh: Mesh, cfg=None, *, strict: bool = True):
+    """Shardings for a pytree holding caches (e.g. spec_decode.DecodeState): every LingCache /
+    DSparkCache subtree as `cache_shardings`, every other array replicated."""
+    from lingjax.cache import LingCache
+    from lingjax.model.dspark import DSparkCache
+
+    def is_cache(x):
+        return isinstance(x, (LingCache, DSparkCache))
+    rep = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: cache_shardings(x, cfg, mesh, strict=strict) if is_cache(x) else rep,
+                        state, is_leaf=is_cache)
+
+
+def constrain_state(state, mesh: Mesh, cfg=None):
+    """`state` with its shardings pinned to `state_shardings` (inside jit: a sharding constraint,
+    so GSPMD cannot pick another layout for loop carries or outputs). Head counts tp does not
+    divide are replicated, as `shard_model(strict=False)` leaves their params."""
+    return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, cfg, strict=False))
+
+
+def params_mesh(params) -> Mesh | None:
+    """The mesh of a pytree of arrays sharded over more than one device (None if all sit on one
+    device). Arrays on different meshes are an error."""
+    meshes = {a.sharding.mesh for a in jax.tree.leaves(params)
+              if isinstance(getattr(a, "sharding", None), NamedSharding) and a.sharding.mesh.size > 1}
+    if len(meshes) > 1:
+        raise ShardingError(f"parameters are sharded over {len(meshes)} different meshes; shard the target "
+                            "and the draft with one mesh")
+    return meshes.pop() if meshes else None
+
+
 def describe(model, mesh: Mesh, rules=None) -> list[tuple[str, tuple, P]]:
     """(path, global shape, spec) of every variable: for logging / --mesh dry runs."""
     sh = param_shardings(model, mesh, rules)
     return [(_path_str(p), tuple(v.shape), sh[tuple(p)].spec) for p, v in _flat_vars(model)]
 
 
-def random_init_sharded(build, mesh: Mesh, rules: Mapping[str, str | None] | None = None, *, seed: int = 0):
+def random_init_sharded(build, mesh: Mesh, rules: Rules | None = None, *, seed: int = 0):
     """Build `build()` (a module constructor) with random weights created directly in their shards:
     no device ever holds a whole parameter, so models larger than one GPU can be benchmarked.
 
@@ -269,3 +320,50 @@ def random_init_sharded(build, mesh: Mesh, rules: Mapping[str, str | None] | Non
             fns[key] = jax.jit(make, out_shardings=shardings[tuple(path)])
         var.set_value(fns[key](jax.random.key(seed * 100003 + i)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+# ---- what a compiled program communicates -----------------------------------------------------------
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_COLLECTIVE_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVE_OPS)
+                            + r")(?:-start)?\(")
+_SHAPE_RE = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+
+
+class Collective(NamedTuple):
+    kind: str       # one of COLLECTIVE_OPS (an async '-start' counts as its op; '-done' is not counted)
+    op_name: str    # the op's jax name stack, e.g. 'jit(_run)/while/body/moe/dot_general'
+    shape: str      # result shape(s) as printed, e.g. 'f32[1,1,128]{2,1,0}' or a tuple
+    nbytes: int     # bytes of the printed result(s): an all-gather's gathered size; an async
+    #                 '-start' may print its operand buffers in the result tuple too
+
+    def scope(self, scopes) -> str | None:
+        """The innermost component of op_name that is one of `scopes` (jax.named_scope names)."""
+        hits = [p for p in self.op_name.split("/") if p in scopes]
+        return hits[-1] if hits else None
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective op in an HLO module's text, e.g. `jitted.lower(*args).compile().as_text()`
+    (after XLA's combiners: several reductions merged into one tuple all-reduce count once). An op
+    inside a loop body is listed once, however many times the loop runs."""
+    out = []
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE_RE.match(line)
+        if m is None:
+            continue
+        shape, kind = m.group(1), m.group(2)
+        nbytes = 0
+        for dtype, dims in _SHAPE_RE.findall(shape):
+            n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+            nbytes += n * _dtype_bytes(dtype)
+        name = _OP_NAME_RE.search(line)
+        out.append(Collective(kind, name.group(1) if name else "", shape, nbytes))
+    return out
+
+
+def _dtype_bytes(hlo_dtype: str) -> int:
+    if hlo_dtype == "pred":
+        return 1
+    bits = re.match(r"[a-z]+(\d+)", hlo_dtype)
+    return max(1, int(bits.group(1)) // 8) if bits else 0

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lingjax import sampling
+from lingjax import sampling, sharding
 from lingjax.cache import LingCache, init_cache
 from lingjax.model.ling import LingModel, commit
 
@@ -127,6 +127,7 @@ class Decoder:
         if self.spec.method == "mtp" and self.target.mtp is None:
             raise ValueError("--spec mtp needs the target's MTP layer (num_nextn_predict_layers >= 1 and its weights)")
         self.graph, self.params = nnx.split((self.target, self.draft))
+        self._mesh = sharding.params_mesh(self.params)   # None unless the params are sharded
         stops = np.full((max(1, len(self.stop_sequences)), max([1] + [len(s) for s in self.stop_sequences])), -1, np.int32)
         for i, s in enumerate(self.stop_sequences):
             stops[i, stops.shape[1] - len(s):] = s
@@ -146,7 +147,7 @@ class Decoder:
         n = jnp.int32(t) if prompt_len is None else jnp.asarray(prompt_len, jnp.int32)
         b = self.spec.drafts
         c, k = self._chunks(t)
-        cache = _init_cache(target, c * k + max_new + b + 2)      # chunks write whole (padded) blocks
+        cache = self._pin(_init_cache(target, c * k + max_new + b + 2))  # chunks write whole (padded) blocks
         hidden, taps, cache = self._prefill_target(target, prompt, cache, None if prompt_len is None else n)
         key, k0 = jax.random.split(key)
         last_hidden = jax.lax.dynamic_slice_in_dim(hidden, n - 1, 1, axis=1)          # [1, 1, D]
@@ -154,7 +155,7 @@ class Decoder:
         first = jnp.argmax(logits).astype(jnp.int32) if self.greedy else sampling.sample_token(k0, logits, samp)
         draft_cache, mtp_hidden = None, None
         if self.spec.method == "dspark":
-            draft_cache = draft.append_context(draft.init_cache(1, cache.max_len), taps, 0, count=n)
+            draft_cache = draft.append_context(self._pin(draft.init_cache(1, cache.max_len)), taps, 0, count=n)
         if self.spec.method == "mtp":
             shifted = jnp.concatenate([prompt[:, 1:], prompt[:, :1]], axis=1)
             nxt = jnp.where(jnp.arange(t) == n - 1, first, shifted)      # token t+1 for every position t
@@ -167,7 +168,13 @@ class Decoder:
             limit=limit, finish=jnp.int32(FINISH_RUNNING), key=key, steps=jnp.int32(0),
             drafted=jnp.int32(0), accepted=jnp.int32(0), accept_hist=jnp.zeros((b + 1,), jnp.int32),
             pos_accepted=jnp.zeros((nb,), jnp.int32), policy=jnp.zeros((2,), jnp.int32), step_cost=step_cost)
-        return self._check_stop(state, first[None], jnp.int32(1), jnp.int32(0))
+        return self._pin(self._check_stop(state, first[None], jnp.int32(1), jnp.int32(0)))
+
+    def _pin(self, tree):
+        """With sharded params: fix the shardings of a DecodeState / cache to
+        `sharding.state_shardings` (caches by head, everything else replicated), so prefill, every loop
+        iteration and the loop's result keep one layout. Identity on one device."""
+        return tree if self._mesh is None else sharding.constrain_state(tree, self._mesh, self.target.cfg)
 
     def _chunks(self, t: int) -> tuple[int, int]:
         """(chunk length, number of chunks) for a prompt of t tokens (one chunk when t <= prefill_chunk)."""
@@ -220,9 +227,9 @@ class Decoder:
 
         def body(c):
             s, i = c
-            return self._step(params, s, samp, override), i + 1
+            return self._pin(self._step(params, s, samp, override)), i + 1
 
-        state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+        state, _ = jax.lax.while_loop(cond, body, (self._pin(state), jnp.int32(0)))
         return state
 
     def _step(self, params, s: DecodeState, samp, override) -> DecodeState:

@@ -2,13 +2,17 @@
 XLA_FLAGS=--xla_force_host_platform_device_count=4 (the pytest process has already initialised jax
 with one CPU device). Prints one JSON object on the last stdout line.
 
-Usage: python tests/sharding_check.py [golden|random|errors ...]
+Usage: python tests/sharding_check.py [golden|random|errors|expert_axis|restore|fp8 ...]
 """
 from __future__ import annotations
 
+import asyncio
+import collections
 import json
+import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +30,7 @@ from lingjax import sharding  # noqa: E402
 from lingjax.cache import init_cache  # noqa: E402
 from lingjax.dspark_config import DSparkConfig  # noqa: E402
 from lingjax.model.dspark import DSparkDraft, from_safetensors  # noqa: E402
+from lingjax.model.mlp import MoE  # noqa: E402
 from lingjax.sampling import SamplingArrays, SamplingParams  # noqa: E402
 from lingjax.spec_decode import Decoder, SpecConfig  # noqa: E402
 from lingjax.weights import load_hf_model  # noqa: E402
@@ -33,6 +38,10 @@ from lingjax.weights import load_hf_model  # noqa: E402
 DT = jnp.float32
 MAX_NEW = 10
 GREEDY = SamplingArrays.from_params(SamplingParams())
+BLOCKS = ("kda", "mla", "moe", "dense_mlp")              # named scopes of the target's blocks
+OUTSIDE = ("embed", "lm_head", "draft", "accept", "commit")
+# The pre-change rule table: the expert axis sharded over 'ep' (routed-expert gather over a sharded axis).
+EXPERT_AXIS_RULES = {"heads": "tp", "kv_heads": "tp", "vocab": "tp", "mlp": "tp", "experts": "ep"}
 
 
 def golden_pair():
@@ -70,16 +79,54 @@ def forward_logits(model, prompt, mesh=None):
     return np.asarray(logits), new_cache
 
 
+PROMPT = [5, 17, 3, 42, 9, 11, 2, 30, 7, 25, 13, 8]
+
+
 def spec_tokens(model, draft, method):
+    """Greedy tokens of Decoder(method); also the state after prefill and the compiled loop's HLO."""
     dec = Decoder(model, SpecConfig(method, 8), draft=draft if method == "dspark" else None)
     prompt = jnp.asarray(PROMPT, jnp.int32)[None]
     cost = jnp.ones(len(dec.spec.widths), jnp.float32)
-    state = dec.prefill(dec.params, prompt, MAX_NEW, jnp.int32(MAX_NEW), jax.random.key(0), GREEDY, cost)
-    state = dec.run(dec.params, state, GREEDY, None, jnp.int32(10_000))
-    return np.asarray(state.out)[: int(state.n_out)].tolist(), state
+    prefilled = dec.prefill(dec.params, prompt, MAX_NEW, jnp.int32(MAX_NEW), jax.random.key(0), GREEDY, cost)
+    args = (dec.params, prefilled, GREEDY, None, jnp.int32(10_000))
+    run = dec.run.lower(*args).compile()
+    state = run(*args)
+    return np.asarray(state.out)[: int(state.n_out)].tolist(), state, prefilled, run.as_text()
 
 
-PROMPT = [5, 17, 3, 42, 9, 11, 2, 30, 7, 25, 13, 8]
+def state_mismatches(state, mesh, cfg) -> list[str]:
+    """Paths of DecodeState arrays whose sharding is not `sharding.state_shardings`."""
+    want = jax.tree.leaves(sharding.state_shardings(state, mesh, cfg))
+    got = jax.tree_util.tree_leaves_with_path(state)
+    assert len(want) == len(got)
+    return [jax.tree_util.keystr(p) for (p, a), w in zip(got, want) if not a.sharding.is_equivalent_to(w, a.ndim)]
+
+
+def spec_str(a) -> str:
+    """An array's PartitionSpec without trailing replicated dimensions (P(None, None) -> 'P()')."""
+    spec = list(a.sharding.spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return str(jax.sharding.PartitionSpec(*spec))
+
+
+def collective_report(hlo: str, model, tokens: int) -> dict:
+    """Collectives of one compiled decode step, by the named scope they come from, with the number
+    of target blocks of each kind and the byte bounds the test checks them against."""
+    cfg = model.cfg
+    moe = sum(isinstance(layer.mlp, MoE) for layer in model.layers)
+    out = dict(blocks=dict(kda=sum(layer.kind == "kda" for layer in model.layers),
+                           mla=sum(layer.kind == "mla" for layer in model.layers),
+                           moe=moe, dense_mlp=len(model.layers) - moe),
+               row_bytes=tokens * cfg.hidden_size * jnp.dtype(DT).itemsize, top_k=cfg.num_experts_per_tok,
+               scopes={})
+    for c in sharding.collectives(hlo):
+        scope = c.scope(BLOCKS + OUTSIDE) or "other"
+        s = out["scopes"].setdefault(scope, dict(n=0, max_bytes=0, ops=collections.Counter()))
+        s["n"] += 1
+        s["max_bytes"] = max(s["max_bytes"], c.nbytes)
+        s["ops"][f"{c.kind} {c.shape}"] += 1
+    return out
 
 
 def param_report(model, mesh):
@@ -116,18 +163,33 @@ def run_meshes(pair_fn, meshes):
         r = dict(rel=rel(logits, ref_logits), argmax_equal=bool((logits.argmax(-1) == ref_logits.argmax(-1)).all()),
                  kda_in_spec=[None if s is None else str(s) for s in
                               sharding.cache_shardings(init_cache(model.cfg, 1, 4, DT), model.cfg, mesh).layers[0].state.spec],
-                 kda_out_ndev=len(kda.sharding.device_set))
+                 kda_out_ndev=len(kda.sharding.device_set), collectives={}, state_bad={})
         for m in ("dspark", "none"):
-            toks, state = spec_tokens(model, draft, m)
+            toks, state, prefilled, hlo = spec_tokens(model, draft, m)
             r[m] = toks
             r[m + "_equal"] = toks == ref[m]
+            r["collectives"][m] = collective_report(hlo, model, tokens=9 if m == "dspark" else 1)
+            r["state_bad"][m] = dict(prefill=state_mismatches(prefilled, mesh, model.cfg),
+                                     run=state_mismatches(state, mesh, model.cfg))
             if m == "dspark":
                 r["draft_cache_ndev"] = len(state.draft_cache.k[0].sharding.device_set)
-                r["draft_cache_spec"] = str(state.draft_cache.k[0].sharding)
+                r["draft_cache_spec"] = spec_str(state.draft_cache.k[0])
+                r["kda_state_spec"] = spec_str(state.cache.layers[0].state)
         r.update(param_report(model, mesh))
         r["s"] = time.time() - t1
         res["meshes"][f"{tp}x{ep}"] = r
     return res
+
+
+def expert_axis():
+    """The old rule table (experts over 'ep') on a 1x2 mesh: what the collective check reports."""
+    model, _ = golden_pair()
+    sharding.shard_model(model, sharding.make_mesh(1, 2, jax.devices()[:2]), EXPERT_AXIS_RULES)
+    dec = Decoder(model, SpecConfig("none"))
+    state = dec.prefill(dec.params, jnp.asarray(PROMPT, jnp.int32)[None], MAX_NEW, jnp.int32(MAX_NEW),
+                        jax.random.key(0), GREEDY, jnp.ones((1,), jnp.float32))
+    hlo = dec.run.lower(dec.params, state, GREEDY, None, jnp.int32(1)).compile().as_text()
+    return collective_report(hlo, model, tokens=1)
 
 
 def errors():
@@ -147,24 +209,154 @@ def errors():
         out["mesh"] = None
     except ValueError as e:
         out["mesh"] = str(e)
+    odd = DSparkDraft(DSparkConfig.from_dict(dict(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+        intermediate_size=6, vocab_size=32, block_size=4, mask_token_id=31, target_layer_ids=[0])),
+        dtype=DT, rngs=nnx.Rngs(0))
     try:
-        sharding.shard_model(model, sharding.make_mesh(1, 4, jax.devices()[:4]))  # 16 experts / 4: fine
+        sharding.shard_model(odd, sharding.make_mesh(2, 2))
+        out["mlp"] = None
+    except ValueError as e:
+        out["mlp"] = str(e)
+    try:
+        sharding.shard_model(model, sharding.make_mesh(1, 4, jax.devices()[:4]))  # mlp 256 and 32 over 4: fine
         out["ep4"] = "ok"
     except ValueError as e:
         out["ep4"] = str(e)
     return out
 
 
+# ---- sharded restore: bytes each device reads ---------------------------------------------------
+class ShardReads:
+    """Counts the bytes read from disk for each device during orbax restores (a context manager).
+
+    Orbax reads every distinct shard index of an array once (tensorstore, in C++: no Python file
+    I/O to intercept) and places it on each device holding that index. Inside this context the
+    array restores and, within an array, the shard reads run one at a time, and tensorstore's
+    process-wide file counter `/tensorstore/kvstore/file/bytes_read` is sampled around each shard
+    read, so a read's bytes are exactly the chunk files it opened. Patches orbax internals
+    (serialization.async_deserialize / _read_array_index_and_device_put), for tests only.
+    """
+
+    def __init__(self):
+        self.reads = []    # (array key, device ids, index extents, bytes read, chunk shape, itemsize, shape)
+        self._locks = {}
+
+    def _lock(self, kind):
+        key = (kind, id(asyncio.get_running_loop()))
+        return self._locks.setdefault(key, asyncio.Lock())
+
+    @staticmethod
+    def _bytes_read() -> int:
+        import tensorstore as ts
+        for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
+            return int(m["values"][0]["value"])
+        return 0
+
+    def __enter__(self):
+        from orbax.checkpoint._src.serialization import serialization as ser
+        self._ser = ser
+        self._orig = (ser.async_deserialize, ser._read_array_index_and_device_put)
+        orig_deserialize, orig_read = self._orig
+
+        async def deserialize(*args, **kw):
+            async with self._lock("array"):      # one array at a time: no concurrent metadata reads
+                return await orig_deserialize(*args, **kw)
+
+        async def read(devices, index, t, **kw):
+            async with self._lock("shard"):
+                before = self._bytes_read()
+                out = await orig_read(devices, index, t, **kw)
+                n = self._bytes_read() - before
+            stored = t
+            while stored.base is not None:       # orbax reads through a dtype-cast adapter
+                stored = stored.base
+            ext = tuple(len(range(*s.indices(d))) for s, d in zip(index, t.shape))
+            self.reads.append((stored.kvstore.path.rstrip("/").rsplit("/", 1)[-1], [d.id for d in devices], ext, n,
+                               tuple(stored.chunk_layout.read_chunk.shape), stored.dtype.numpy_dtype.itemsize,
+                               tuple(t.shape), tuple((s.start or 0) for s in index)))
+            return out
+        ser.async_deserialize, ser._read_array_index_and_device_put = deserialize, read
+        return self
+
+    def __exit__(self, *exc):
+        self._ser.async_deserialize, self._ser._read_array_index_and_device_put = self._orig
+
+    def per_array(self) -> dict:
+        """{array key: {device id: dict(read, shard, chunks, whole)}}: bytes read for the device's
+        index, the index's own bytes, the bytes of the stored chunks it intersects, the array's bytes."""
+        out = collections.defaultdict(dict)
+        for key, devices, ext, n, chunk, item, shape, start in self.reads:
+            covered = 1
+            for s0, e, c in zip(start, ext, chunk):
+                covered *= (math.ceil((s0 + e) / c) - s0 // c) * c
+            rec = dict(read=n, shard=int(np.prod(ext)) * item, chunks=covered * item,
+                       whole=int(np.prod(shape)) * item)
+            for d in devices:
+                out[key][d] = rec
+        return dict(out)
+
+
+# 4 KiB chunks: the tiny model's largest arrays (256-512 KiB) then span 64-128 chunks, as Flash's
+# experts (2-4 GiB) do at the converter's default 64 MiB.
+RESTORE_CHUNK_MIB = "0.00390625"
+
+
+def restore():
+    """Convert the golden checkpoint (float32 and fp8), restore each onto a 2x2 mesh, count the bytes
+    each device reads, and compare the restored float32 values with the HF loader's."""
+    from checkpoints_convert import main as convert
+    from lingjax.checkpoint import abstract_model, load_converted
+    mesh = sharding.make_mesh(2, 2)
+    ref = {".".join(map(str, p)): np.asarray(v.get_value())
+           for p, v in nnx.to_flat_state(nnx.state(load_hf_model(LING_TINY, dtype=DT)))}
+    out = {}
+    with tempfile.TemporaryDirectory() as work:
+        for name, flags, fp8 in (("float32", ["--dtype", "float32"], False),
+                                 ("fp8", ["--dtype", "fp8", "--fp8-block", "32"], True)):
+            t0 = time.time()
+            d = Path(work) / name
+            rc = convert([str(LING_TINY), str(d), "-q", "--chunk-size", RESTORE_CHUNK_MIB, *flags])
+            assert rc == 0, rc
+            shardings = sharding.param_shardings(abstract_model(d, DT, fp8_weights=fp8), mesh)
+            with ShardReads() as counter:
+                model = load_converted(d, DT, shardings=shardings, fp8_weights=fp8)
+            params = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+            r = dict(arrays=counter.per_array(), s=time.time() - t0,
+                     specs={k: str(a.sharding.spec) for k, a in params.items()})
+            if not fp8:
+                r["value_mismatch"] = [k for k, a in params.items() if not np.array_equal(np.asarray(a), ref[k])]
+            out[name] = r
+    return out
+
+
+# ---- block fp8 ----------------------------------------------------------------------------------
+def fp8():
+    """quantize_model(golden) sharded 2x2 vs one device: greedy tokens, plus the step's collectives."""
+    from lingjax.quant import quantize_model
+    block = (16, 16)      # several blocks per matrix in the tiny model; some straddle shard boundaries
+    model, _ = golden_pair()
+    ref = spec_tokens(quantize_model(model, block), None, "none")[0]
+    model, _ = golden_pair()
+    quantize_model(model, block)
+    sharding.shard_model(model, sharding.make_mesh(2, 2))
+    toks, _, _, hlo = spec_tokens(model, None, "none")
+    return dict(ref=ref, none=toks, none_equal=toks == ref, collectives=collective_report(hlo, model, tokens=1),
+                values_spec=spec_str(model.layers[3].mlp.w_gate_up.values.get_value()),
+                scale_spec=spec_str(model.layers[3].mlp.w_gate_up.scale_inv.get_value()))
+
+
 def main(argv):
-    what = argv or ["golden", "random", "errors"]
-    res = dict(devices=jax.device_count())
+    what = argv or ["golden", "random", "errors", "expert_axis", "restore", "fp8"]
+    res = dict(devices=jax.device_count(), s={})
     t0 = time.time()
-    if "golden" in what:
-        res["golden"] = run_meshes(golden_pair, [(1, 1), (2, 1), (1, 2), (2, 2)])
-    if "random" in what:
-        res["random"] = run_meshes(random_pair, [(4, 1)])
-    if "errors" in what:
-        res["errors"] = errors()
+    for name, fn in (("golden", lambda: run_meshes(golden_pair, [(1, 1), (2, 1), (1, 2), (2, 2)])),
+                     ("random", lambda: run_meshes(random_pair, [(4, 1)])),
+                     ("errors", errors), ("expert_axis", expert_axis), ("restore", restore), ("fp8", fp8)):
+        if name in what:
+            t1 = time.time()
+            res[name] = fn()
+            res["s"][name] = time.time() - t1
     res["total_s"] = time.time() - t0
     print(json.dumps(res))
 
