@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="random bf16 weights at the full Ling-3.0-flash shapes (built on the device)")
     src.add_argument("--config-json", help="random weights for this config.json (small test configs)")
     src.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)   # tests: tests/data/ling3-tiny
+    src.add_argument("--embedded", action="store_true",
+                     help="the embedded default model with its trained DSpark draft (natural acceptance; CPU smoke)")
     ap.add_argument("--draft", help="DSpark draft checkpoint directory (--spec dspark with --checkpoint)")
     ap.add_argument("--dtype", choices=["bf16", "f32", "fp8"], default="bf16",
                     help="weights: bf16, f32, or fp8 = weight-only block fp8 (128x128 scales, the published "
@@ -93,7 +95,7 @@ def _tau_list(text: str) -> list[float]:
 
 def _check_args(ap, a) -> None:
     """Flag errors that need no model: exit 2 via ap.error."""
-    if not (a.checkpoint or a.random_weights or a.config_json or a.tiny):
+    if not (a.checkpoint or a.random_weights or a.config_json or a.tiny or a.embedded):
         ap.error("choose a model: --checkpoint DIR or --random-weights")
     if a.input_len < 1 or a.output_len < 2 or a.num_prompts < 1:
         ap.error("--input-len >= 1, --output-len >= 2 and --num-prompts >= 1 are required")
@@ -102,8 +104,10 @@ def _check_args(ap, a) -> None:
         ap.error(f"--block-size must be >= 1, got {a.block_size}")
     if a.layers is not None and a.layers < 1:
         ap.error(f"--layers must be >= 1, got {a.layers}")
-    if a.layers is not None and a.checkpoint:
+    if a.layers is not None and (a.checkpoint or a.embedded):
         ap.error("--layers needs random weights (a checkpoint is run at its own depth)")
+    if a.embedded and a.dtype == "fp8":
+        ap.error("--dtype fp8 needs a converted fp8 checkpoint or --random-weights (the embedded model is not fp8-ready)")
     if a.draft and "dspark" not in a.spec:
         ap.error("--draft is only used with --spec dspark")
     if "dspark" in a.spec and a.checkpoint and not a.draft:
@@ -204,7 +208,11 @@ def main(argv=None) -> dict:
     fp8 = a.dtype == "fp8"
     # ---- config (validated before any weight is built) ------------------------------------------
     try:
-        if a.checkpoint:
+        if a.embedded:
+            from lingjax.embedded.load import load_embedded
+            emb_target, emb_draft, _ = load_embedded(dt)
+            cfg = emb_target.cfg
+        elif a.checkpoint:
             cfg = LingConfig.from_json(a.checkpoint)
         elif a.config_json or a.tiny:
             cfg = LingConfig.from_json(a.config_json or TINY_CONFIG)
@@ -232,7 +240,12 @@ def main(argv=None) -> dict:
             ap.error(str(e))
     decoders = {}
     try:
-        if a.checkpoint:
+        if a.embedded:
+            target, draft = emb_target, emb_draft
+            if a.kda_kernel != "xla":
+                from lingjax.model.kda import set_kda_kernel
+                set_kda_kernel(target, a.kda_kernel)
+        elif a.checkpoint:
             from lingjax.checkpoint import ConvertedCheckpointError, load_model
             try:
                 target = load_model(a.checkpoint, dt, fp8_weights=fp8)
@@ -378,7 +391,8 @@ def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, de
                 "p99": _pct(x, 99, w) * 1e3}
 
     return {
-        "bench": "batch1", "model": a.checkpoint or ("random:" + (a.config_json or ("tiny" if a.tiny else "ling3-flash"))),
+        "bench": "batch1", "model": "embedded" if a.embedded else a.checkpoint or (
+            "random:" + (a.config_json or ("tiny" if a.tiny else "ling3-flash"))),
         "layers": cfg.num_hidden_layers, "dtype": a.dtype, "spec": method, "kda_kernel": a.kda_kernel,
         "block_size": a.block_size if B else 0, "forced_accept": tau,
         "input_len": a.input_len, "output_len": a.output_len, "num_prompts": a.num_prompts,

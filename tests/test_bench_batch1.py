@@ -77,6 +77,16 @@ def test_batch1_profile_breakdown(tmp_path, capsys):
     assert "kda" in capsys.readouterr().out
 
 
+def test_batch1_embedded_model_smoke(tmp_path):
+    """The benchmark on the embedded default model and its trained draft (natural acceptance)."""
+    rec = batch1.main(["--embedded", "--input-len", "48", "--output-len", "24", "--num-prompts", "1", "--spec",
+                       "none,dspark", "--out", str(tmp_path), "--no-xla-defaults", "--copy-mib", "8"])
+    none, dspark = rec["rows"]
+    assert none["model"] == "embedded" and none["accept_length"] == 1.0
+    assert dspark["accept_length"] >= 1.0 and len(dspark["accept_per_position"]) == 8
+    assert all(r["total_output_tokens"] == 24 for r in (none, dspark))
+
+
 def test_batch1_fp8_needs_an_fp8_ready_checkpoint(capsys):
     with pytest.raises(SystemExit) as e:
         batch1.main(["--checkpoint", str(LING_TINY), "--dtype", "fp8", "--input-len", "32", "--output-len", "8", "--no-xla-defaults"])
