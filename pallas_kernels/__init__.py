@@ -1,6 +1,7 @@
 """Pallas Mosaic GPU kernels (one file per kernel family, each tested against its XLA reference in
-`lingjax/ops/` in interpret mode and cross-lowered for CUDA in CI).
+`lingjax/ops/` in interpret mode and cross-lowered for CUDA in CI, then run on the H200).
 
-So far: `kda_decode` (fused KDA recurrence for decode / verify blocks), not yet run on the H200 and
-opt-in in the model through kda_kernel="pallas"; the model runs on the pure-XLA references until the kernels land.
+- `kda_decode`: fused KDA recurrence for decode / verify blocks (T <= 16) and the commit replay;
+  verified on the H200, opt-in in the model through `kda_kernel="pallas"` (XLA stays the default).
+- `kda_prefill`: chunked KDA prefill; fails 2 of its 4 H200 tests, not wired into the model.
 """
