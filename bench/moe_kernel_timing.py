@@ -1,0 +1,171 @@
+"""Routed-expert MoE kernel (pallas_kernels/moe_experts.py) vs experts_gather, block-fp8 weights.
+
+    python -m bench.moe_kernel_timing --M 1,9 [--iters 50] [--out-dir DIR]
+    python -m bench.moe_kernel_timing --interpret --M 1,3 --E 16 --D 256 --F 128 --k 4 --iters 1  # CPU smoke
+
+Shape (default Ling-3.0-flash): E=512 experts, D=2560, F=768, top-k 8; random fp8 values
+(random bytes, NaN codes zeroed) with random power-of-two block scales, made on the device; x
+bf16; each token picks k distinct experts uniformly (--seed). Rows per M, each the median over
+--iters blocked calls after --warmup calls (compile excluded), and `pipelined` = --iters calls
+issued back to back with one block at the end, / --iters:
+  kernel   moe_experts_pallas (prologue + 2 kernels + transpose + combine)
+  gather   lingjax.ops.moe.experts_gather with Fp8Weight (the model's current XLA path)
+bytes = fp8 weights + scales of the distinct chosen experts (what each must read at least);
+pct_copy = bytes / pipelined time / device copy bandwidth measured in-process
+(bench.batch1.measure_copy_bandwidth). max_abs_err / ref_max: kernel vs gather.
+Writes bench/results/moe_kernel_timing-*.json (or --out-dir) via bench.common.save_result.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from lingjax import xla_env
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.moe_kernel_timing", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--M", default="1,9", help="comma list of token counts (1..16)")
+    ap.add_argument("--E", type=int, default=512, help="experts")
+    ap.add_argument("--D", type=int, default=2560, help="hidden size")
+    ap.add_argument("--F", type=int, default=768, help="expert intermediate size")
+    ap.add_argument("--k", type=int, default=8, help="experts per token")
+    ap.add_argument("--limit", type=float, default=None, help="SwiGLU clamp (default none)")
+    ap.add_argument("--iters", type=int, default=50, help="timed calls per row")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed calls per row (first compiles)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-gather", action="store_true", help="skip the experts_gather row")
+    ap.add_argument("--interpret", action="store_true",
+                    help="Mosaic GPU interpret mode (CPU smoke; times meaningless)")
+    ap.add_argument("--out-dir", default=None, help="result directory (default bench/results)")
+    ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
+    return ap
+
+
+def make_weights(E, D, F, seed):
+    """(w_gate_up fp8 [E,D,2,F], gu_scale [E,2,D/128,F/128], w_down fp8 [E,F,D], down_scale)."""
+    import jax
+    import jax.numpy as jnp
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+
+    def fp8(key, shape):
+        b = jax.random.bits(key, shape, jnp.uint8)
+        b = jnp.where((b & 0x7F) == 0x7F, jnp.uint8(0), b)          # 0x7f / 0xff are NaN in e4m3fn
+        return jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn)
+
+    def scale(key, shape):
+        return 2.0 ** jax.random.randint(key, shape, -14, -8).astype(jnp.float32)
+
+    make = jax.jit(lambda: (fp8(ks[0], (E, D, 2, F)), scale(ks[1], (E, 2, D // 128, F // 128)),
+                            fp8(ks[2], (E, F, D)), scale(ks[3], (E, F // 128, D // 128))))
+    return jax.block_until_ready(make())
+
+
+def time_fn(f, args, iters, warmup):
+    """(median seconds of one blocked call, seconds per call when issued back to back)."""
+    import jax
+    import numpy as np
+    for _ in range(max(1, warmup)):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    outs = [f(*args) for _ in range(iters)]
+    jax.block_until_ready(outs)
+    return float(np.median(ts)), (time.perf_counter() - t) / iters
+
+
+def run_M(M, a, weights, interpret, copy_bw) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from lingjax.ops.moe import experts_gather
+    from lingjax.param_layout import Matrix
+    from lingjax.quant import Fp8Weight
+    from pallas_kernels.moe_experts import moe_experts_pallas, weight_bytes
+    vgu, sgu, vd, sd = weights
+    rng = np.random.default_rng(a.seed + M)
+    idx = jnp.asarray(np.stack([rng.choice(a.E, a.k, replace=False) for _ in range(M)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.05, 1.0, (M, a.k)), jnp.float32)
+    x = jax.random.normal(jax.random.PRNGKey(a.seed + M), (M, a.D), jnp.float32).astype(jnp.bfloat16)
+    n_used = int(np.unique(np.asarray(idx)).size)
+    rec = {"M": M, "E": a.E, "D": a.D, "F": a.F, "k": a.k, "limit": a.limit, "n_experts_used": n_used,
+           "bytes": weight_bytes(n_used, a.D, a.F)}
+    rec["floor_us"] = rec["bytes"] / copy_bw * 1e6
+    kern = jax.jit(lambda *xs: moe_experts_pallas(*xs, limit=a.limit, interpret=interpret))
+    bf = jnp.bfloat16
+    fgu = Fp8Weight(vgu, sgu, view=Matrix((0, 2), (1,), (3,)), block=(128, 128), dtype=bf,
+                    logical=("experts", "embed", None, "mlp"))
+    fd = Fp8Weight(vd, sd, view=Matrix((0,), (1,), (2,)), block=(128, 128), dtype=bf,
+                   logical=("experts", "mlp", "embed"))
+    gather = jax.jit(lambda x, idx, w: experts_gather(x, idx, w, fgu, fd, a.limit))
+    rows = [("kernel", kern, (x, idx, w, vgu, sgu, vd, sd))]
+    if not a.no_gather:
+        rows.append(("gather", gather, (x, idx, w)))
+    for name, fn, args in rows:
+        try:
+            med, piped = time_fn(fn, args, a.iters, a.warmup)
+        except Exception as e:          # record a failing row (compile error, OOM) and go on
+            rec[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+            continue
+        rec[f"{name}_us"], rec[f"{name}_pipelined_us"] = med * 1e6, piped * 1e6
+        rec[f"{name}_pct_copy"] = 100 * rec["floor_us"] / rec[f"{name}_pipelined_us"]
+    if "kernel_us" in rec:
+        out = np.asarray(kern(x, idx, w, vgu, sgu, vd, sd), np.float32)
+        ref = np.asarray(gather(x, idx, w), np.float32)
+        rec["max_abs_err"] = float(np.abs(out - ref).max())
+        rec["ref_max"] = float(np.abs(ref).max())
+        rec["finite"] = bool(np.isfinite(out).all())
+    return rec
+
+
+def main(argv=None) -> dict:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    try:
+        Ms = [int(m) for m in a.M.split(",") if m.strip()]
+    except ValueError:
+        ap.error(f"--M must be comma-separated integers, got {a.M!r}")
+    if not Ms or min(Ms) < 1 or max(Ms) > 16 or a.iters < 1:
+        ap.error("--M values must be in 1..16 and --iters >= 1")
+    if a.D % 128 or a.F % 128 or not 1 <= a.k <= a.E:
+        ap.error("--D and --F must be multiples of 128 and 1 <= --k <= --E")
+    if not a.no_xla_defaults:
+        xla_env.configure()
+    import jax
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from bench.batch1 import measure_copy_bandwidth
+    from bench.common import save_result
+    backend = jax.default_backend()
+    if not a.interpret and backend != "gpu":
+        ap.error(f"the kernel compiles for an NVIDIA Hopper GPU; this backend is {backend!r}: "
+                 "pass --interpret (with small --E/--D/--F) for a CPU smoke run")
+    interpret = plgpu.InterpretGPUParams() if a.interpret else False
+    copy_bw = measure_copy_bandwidth((1024 if backend == "gpu" else 8) << 20)
+    weights = make_weights(a.E, a.D, a.F, a.seed)
+    results = []
+    for M in Ms:
+        rec = run_M(M, a, weights, interpret, copy_bw)
+        results.append(rec)
+        line = f"M={M}: {rec['n_experts_used']} experts, {rec['bytes'] / 1e6:.1f} MB, floor {rec['floor_us']:.1f} us"
+        for n in ("kernel", "gather"):
+            if n + "_us" in rec:
+                line += (f"; {n} {rec[n + '_us']:.1f} us (pipelined {rec[n + '_pipelined_us']:.1f} us,"
+                         f" {rec[n + '_pct_copy']:.0f}% of copy bw)")
+            elif n + "_error" in rec:
+                line += f"; {n} FAILED (see the JSON)"
+        if "max_abs_err" in rec:
+            line += f"; max|kernel-gather| {rec['max_abs_err']:.3g} (ref max {rec['ref_max']:.3g})"
+        print(line)
+    record = {"bench": "moe_kernel_timing", "copy_GBps": copy_bw / 1e9, "results": results}
+    save_result("moe_kernel_timing", record, a.out_dir)
+    return record
+
+
+if __name__ == "__main__":
+    main()

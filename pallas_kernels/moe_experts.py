@@ -1,0 +1,286 @@
+"""Batch-1 routed-expert MoE kernel (Pallas Mosaic GPU, `plgpu.kernel`) for M = 1..16 tokens.
+
+Same contract as :func:`lingjax.ops.moe.experts_gather` with block-fp8 expert weights
+(:class:`lingjax.quant.Fp8Weight` layout, 128 x 128 blocks):
+
+    x          [M, D]           activations (any float dtype; used as bf16)
+    idx, w     [M, k]           router top-k expert ids (int32) and combine weights
+    w_gate_up  [E, D, 2, F]     float8_e4m3fn   gu_scale   [E, 2, D/128, F/128] float32
+    w_down     [E, F, D]        float8_e4m3fn   down_scale [E, F/128, D/128]    float32
+    -> y [M, D] in x.dtype:  y[m] = sum_j w[m, j] * down_e(swiglu(gate_e(x[m]), up_e(x[m]), limit))
+
+Design
+------
+* XLA prologue (tiny): the M*k ids are deduplicated into ``uniq [U]`` with the static bound
+  U = min(M*k, E) (sorted, padded with -1), the combine weights become ``wu [U, M]`` (0 for
+  padding), x is zero-padded to ``xp [16, D]`` bf16, and the chosen experts' scales are gathered
+  (D/128 axis minor, padded to 16 bytes) so that a program's scales come in with one TMA.
+* Kernel 1 (gate/up), grid ``(U, F / 64)``: program (u, j) streams expert uniq[u]'s gate and up
+  columns ``[:, j*64:(j+1)*64]`` in 128-row chunks (one fp8 scale block per chunk) through
+  ``plgpu.emit_pipeline`` (TMA into SMEM, 3 stages). Each chunk is dequantised in registers
+  (fp8 -> f32, * block scale, -> bf16: the reference ``Fp8Weight`` dequantisation, bit for bit),
+  stored to a swizzled SMEM tile and multiplied on the tensor cores with the **weight tile as A**
+  (transposed SMEM operand, 64 output features as WGMMA rows) and the 16 padded tokens as B
+  (the x chunk [16, 128], transposed SMEM operand): ``acc[f, m] += sum_d W[d, f] x[m, d]`` in
+  fp32. SwiGLU (optional clamp) on the fp32 accumulators; ``act [U, F, 16]`` bf16 is written (the
+  reference also rounds h to bf16; here only act is rounded).
+* An XLA transpose ``act -> [U, 16, F]`` (U*F*16*2 bytes) between the kernels: WGMMA B with
+  N = 16 lowers only as a transposed (K-minor) operand, and a register tile cannot be stored
+  transposed (both checked by cross-lowering, jax 0.11.2 and 0.12).
+* Kernel 2 (down), grid ``(U, D / 128)``: program (u, j) streams w_down[uniq[u], :, j*128:...]
+  in 128-row chunks the same way, A = dequantised weight tile transposed (128 output rows),
+  B = act chunk [16, 128] transposed; writes the fp32 per-expert output ``yu [U, D, 16]``.
+* Combine across experts: an XLA reduction ``y[m, d] = sum_u wu[u, m] * yu[u, d, m]`` (no
+  atomics: deterministic, and the extra traffic U*D*16*4 bytes is ~3% of the weight bytes).
+* Padding slots (uniq = -1) skip all their loads and matmuls (``pl.when``): only the selected
+  experts' weights are read, each exactly once per call however many tokens chose it. Kernel 2
+  writes zeros for them (kernel 1 leaves their act rows unwritten; only kernel 2's padding
+  programs would read them, and they do not).
+
+Bytes per call (fp8): n_used * 3 * D * F weight bytes (5.9 MB per Ling expert) + their scales
++ small traffic (x per program from L2; act 4 * U * F * 16 * 2 B with the transpose; yu
+2 * U * D * 16 * 4 B). 5 launches (prologue fusions, kernel 1, transpose, kernel 2, combine).
+Ling at M = 1: 8 experts = 47.2 MB of weights -> 11 us at the H200's 4.3 TB/s copy bandwidth;
+M = 9 with random routing ~ 67 distinct experts ~ 395 MB -> 92 us.
+
+Status: NOT RUN ON A GPU. Checked on CPU only, on jax 0.12.0.1 and 0.11.2 (the H200's): interpret
+mode with race detection against ``experts_gather`` (small shapes, unselected experts poisoned
+with NaN) and cross-lowering for CUDA at the Ling shape, M in {1, 9, 16}
+(``.lower(lowering_platforms=("cuda",))``); see tests/test_pallas_moe_experts.py. Not checked:
+a real compile (ptxas registers/spills), correctness on the GPU, speed
+(bench/moe_kernel_timing.py). Tile sizes and pipeline depth are first guesses; per chunk the
+dequantisation, the WGMMA and its wait run back to back (only the TMA loads are pipelined).
+bf16 weights are not supported (fp8 only). Expert ids must lie in [0, E) (not checked: traced).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["MAX_M", "BLOCK", "moe_experts_pallas", "dedupe_experts", "weight_bytes"]
+
+MAX_M = 16          # tokens per call (decode or a speculative verify block); also the padded N
+BLOCK = 128         # fp8 scale block (both dims) = K chunk of every matmul
+TF = 64             # kernel 1: F columns per program (WGMMA M rows of the gate and up tiles)
+TD = 128            # kernel 2: D columns per program (WGMMA M rows)
+STAGES = 3          # TMA pipeline depth
+_BF, _F32, _FP8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
+_WG = plgpu.Layout.WGMMA
+
+
+def _swizzled(minor_elems: int, itemsize: int):
+    """Tiling + swizzle transforms for a WGMMA operand whose rows hold `minor_elems` elements."""
+    sw = min(128, minor_elems * itemsize)
+    return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
+
+
+def _store(ref, x):
+    if hasattr(plgpu, "store"):          # jax >= 0.12
+        plgpu.store(ref, x, optimized=False)
+    else:                                # jax 0.11: `ref[...] =` falls back when needed
+        ref[...] = x
+
+
+def dedupe_experts(idx, w, n_experts: int):
+    """idx [M, k] int32, w [M, k] -> (uniq [U] int32 sorted, -1 padded; wu [U, M] float32).
+
+    U = min(M*k, n_experts) (static). wu[u, m] = sum of token m's combine weights for uniq[u].
+    """
+    M, k = idx.shape
+    U = min(M * k, n_experts)
+    flat = idx.reshape(-1).astype(jnp.int32)
+    s = jnp.sort(flat)
+    new = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]])
+    slot = jnp.cumsum(new) - 1                                       # [M*k] slot of each sorted id
+    uniq = jnp.full((U,), -1, jnp.int32).at[jnp.where(new, slot, U)].set(s, mode="drop")
+    onehot = idx[:, :, None] == uniq[None, None, :]                  # [M, k, U]
+    wu = jnp.einsum("mku,mk->um", onehot.astype(_F32), w.astype(_F32))
+    return uniq, wu
+
+
+def _silu_clamp(g, u, limit):
+    act = g / (1.0 + jnp.exp(-g))
+    if limit:
+        act = jnp.minimum(act, limit)
+        u = jnp.minimum(jnp.maximum(u, -limit), limit)
+    return act * u
+
+
+def _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret):
+    """Kernel 1 -> act [U, F, MAX_M] bf16 (rows of padding slots unwritten)."""
+    E, D, _, F = w_gate_up.shape
+    U = uniq.shape[0]
+    nq = su_gu.shape[-1]
+    x_tf = _swizzled(BLOCK, 2)
+    w_tf = _swizzled(TF, 2)
+
+    def body(uniq_g, x_g, w_g, s_g, act_g, wb_s, s_s, o_s, bar):
+        u = lax.axis_index("u")
+        j = lax.axis_index("f")
+        e = uniq_g[u]
+        cols = pl.ds(j * TF, TF)
+
+        @pl.when(e >= 0)
+        def _():
+            plgpu.copy_gmem_to_smem(s_g.at[u, :, (j * TF) // BLOCK], s_s, bar.at[0])
+            plgpu.barrier_wait(bar.at[0])
+
+            def scoped(acc_g, acc_u):
+                def step(idxs, g8_s, u8_s, x_s):
+                    (i,) = idxs
+                    for c, (src, acc) in enumerate(((g8_s, acc_g), (u8_s, acc_u))):
+                        v = plgpu.load(src, layout=_WG, optimized=False)          # fp8
+                        v = (v.astype(_F32) * s_s[c, i]).astype(_BF)
+                        _store(wb_s.at[c], v)
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_g, wb_s.at[0].T, x_s.T)
+                    plgpu.wgmma(acc_u, wb_s.at[1].T, x_s.T)
+                    plgpu.wgmma_wait(0)
+
+                plgpu.emit_pipeline(
+                    step,
+                    grid=(D // BLOCK,),
+                    in_specs=[plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0)),
+                              plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0)),
+                              plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=x_tf)],
+                    max_concurrent_steps=STAGES,
+                )(w_g.at[e, :, 0, cols], w_g.at[e, :, 1, cols], x_g)
+                return _silu_clamp(acc_g[...], acc_u[...], limit)
+
+            act = pl.run_scoped(scoped, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
+            _store(o_s, act.astype(_BF))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, act_g.at[u, cols])
+            plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((U, F, MAX_M), _BF),
+        scratch_types=(
+            plgpu.SMEM((2, BLOCK, TF), _BF, transforms=w_tf),   # dequantised gate / up chunk
+            plgpu.SMEM((2, nq), _F32),                           # this column block's scales
+            plgpu.SMEM((TF, MAX_M), _BF),                        # act tile
+            plgpu.Barrier(num_barriers=1),
+        ),
+        grid=(U, F // TF),
+        grid_names=("u", "f"),
+        interpret=interpret if interpret else None,
+    )
+    return kernel(uniq, xp, w_gate_up, su_gu)
+
+
+def _down(uniq, act_t, w_down, su_d, interpret):
+    """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [U, D, MAX_M] float32, the unweighted per-expert
+    outputs (zeros for padding slots)."""
+    E, F, D = w_down.shape
+    U = uniq.shape[0]
+    nf, nq = su_d.shape[1:]
+    a_tf = _swizzled(BLOCK, 2)
+    w_tf = _swizzled(TD, 2)
+
+    def body(uniq_g, act_g, w_g, s_g, y_g, wb_s, s_s, o_s, bar):
+        u = lax.axis_index("u")
+        j = lax.axis_index("d")
+        e = uniq_g[u]
+        cols = pl.ds(j * TD, TD)
+
+        @pl.when(e >= 0)
+        def _():
+            plgpu.copy_gmem_to_smem(s_g.at[u], s_s, bar.at[0])
+            plgpu.barrier_wait(bar.at[0])
+
+            def scoped(acc):
+                def step(idxs, w8_s, a_s):
+                    (i,) = idxs
+                    v = plgpu.load(w8_s, layout=_WG, optimized=False)             # fp8
+                    v = (v.astype(_F32) * s_s[i, (j * TD) // BLOCK]).astype(_BF)
+                    _store(wb_s, v)
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc, wb_s.T, a_s.T)
+                    plgpu.wgmma_wait(0)
+
+                plgpu.emit_pipeline(
+                    step,
+                    grid=(F // BLOCK,),
+                    in_specs=[plgpu.BlockSpec((BLOCK, TD), lambda i: (i, 0)),
+                              plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=a_tf)],
+                    max_concurrent_steps=STAGES,
+                )(w_g.at[e, :, cols], act_g.at[u])
+                return acc[...]
+
+            y = pl.run_scoped(scoped, plgpu.ACC((TD, MAX_M), _F32))
+            _store(o_s, y)
+
+        @pl.when(e < 0)                      # padding slot: reads nothing, writes zeros
+        def _():
+            _store(o_s, plgpu.layout_cast(jnp.zeros((TD, MAX_M), _F32), _WG))
+
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, y_g.at[u, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((U, D, MAX_M), _F32),
+        scratch_types=(
+            plgpu.SMEM((BLOCK, TD), _BF, transforms=w_tf),      # dequantised down chunk
+            plgpu.SMEM((nf, nq), _F32),                         # this expert's scales
+            plgpu.SMEM((TD, MAX_M), _F32),                      # output tile
+            plgpu.Barrier(num_barriers=1),
+        ),
+        grid=(U, D // TD),
+        grid_names=("u", "d"),
+        interpret=interpret if interpret else None,
+    )
+    return kernel(uniq, act_t, w_down, su_d)
+
+
+def _pad_minor(a, mult):
+    """Zero-pad the last axis to a multiple of `mult` (TMA rows need multiples of 16 bytes)."""
+    pad = -a.shape[-1] % mult
+    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]) if pad else a
+
+
+def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit=None, *,
+                       interpret=False):
+    """Routed experts for M = 1..16 tokens with block-fp8 weights; see the module docstring.
+
+    x [M, D]; idx, w [M, k]; w_gate_up [E, D, 2, F] fp8 e4m3 + gu_scale [E, 2, D/128, F/128] f32;
+    w_down [E, F, D] fp8 + down_scale [E, F/128, D/128] f32; limit: optional SwiGLU clamp.
+    ``interpret``: False (compile for the GPU) or a ``plgpu.InterpretGPUParams``. -> [M, D] x.dtype.
+    """
+    M, D = x.shape
+    E, D2, two, F = w_gate_up.shape
+    if not 1 <= M <= MAX_M:
+        raise ValueError(f"M={M} tokens must be in 1..{MAX_M}")
+    if idx.shape != w.shape or idx.ndim != 2 or idx.shape[0] != M:
+        raise ValueError(f"idx {idx.shape} and w {w.shape} must both be [M={M}, k]")
+    if (D2, two) != (D, 2) or w_down.shape != (E, F, D):
+        raise ValueError(f"weights w_gate_up {w_gate_up.shape}, w_down {w_down.shape} do not match "
+                         f"[E, D={D}, 2, F] / [E, F, D]")
+    if w_gate_up.dtype != _FP8 or w_down.dtype != _FP8:
+        raise ValueError(f"weights must be float8_e4m3fn, got {w_gate_up.dtype}, {w_down.dtype}")
+    if D % BLOCK or F % BLOCK:
+        raise ValueError(f"D={D} and F={F} must be multiples of {BLOCK} (the fp8 scale block)")
+    nd, nf = D // BLOCK, F // BLOCK
+    if gu_scale.shape != (E, 2, nd, nf) or down_scale.shape != (E, nf, nd):
+        raise ValueError(f"scales {gu_scale.shape}, {down_scale.shape} must be {(E, 2, nd, nf)}, "
+                         f"{(E, nf, nd)} (128 x 128 blocks)")
+
+    uniq, wu = dedupe_experts(idx, w, E)                                # [U], [U, M]
+    safe = jnp.maximum(uniq, 0)
+    xp = jnp.zeros((MAX_M, D), _BF).at[:M].set(x.astype(_BF))
+    su_gu = _pad_minor(jnp.swapaxes(gu_scale[safe].astype(_F32), -1, -2), 4)  # [U, 2, F/128, nd+]
+    su_d = _pad_minor(down_scale[safe].astype(_F32), 4)                  # [U, F/128, nd+]
+    act = _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret)              # [U, F, MAX_M]
+    yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, interpret)                       # [U, D, MAX_M]
+    return jnp.einsum("udm,um->md", yu[:, :, :M], wu).astype(x.dtype)
+
+
+def weight_bytes(n_experts_used: int, D: int, F: int) -> int:
+    """HBM bytes of fp8 weights + f32 scales the kernels read for `n_experts_used` experts."""
+    return n_experts_used * (3 * D * F + 3 * (D // BLOCK) * (F // BLOCK) * 4)
