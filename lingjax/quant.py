@@ -116,10 +116,7 @@ def is_quantisable(path: tuple, shape) -> bool:
     """Whether the Ling parameter at `path` (nnx state path) is stored as fp8 in an fp8 model."""
     if str(path[-1]) in LING_HIGH_PRECISION:
         return False
-    try:
-        return isinstance(ling_layout(tuple(str(p) for p in path), shape), Matrix)
-    except KeyError:
-        return False
+    return isinstance(ling_layout(tuple(str(p) for p in path), shape), Matrix)   # KeyError: no layout
 
 
 def quantize_model(model: nnx.Module, block=DEFAULT_BLOCK) -> nnx.Module:
