@@ -278,9 +278,7 @@ def abstract_model(directory, dtype=None, *, fp8_weights: bool = False, manifest
     manifest = manifest or read_manifest(directory)
     cfg = LingConfig.from_json(directory / "config.json")
     dtype = jnp.dtype(manifest["default_dtype"] if dtype is None else dtype)
-    if fp8_weights and dtype == jnp.float8_e4m3fn:
-        raise ConvertedCheckpointError("fp8_weights: dtype is the compute dtype (bfloat16), not fp8")
-    if fp8_weights and dtype.itemsize == 1:
+    if dtype.itemsize == 1:       # a 1-byte dtype names the weights; the compute dtype is then bf16
         dtype = jnp.dtype(jnp.bfloat16)
     block = tuple(manifest.get("fp8_block") or (128, 128))
 
