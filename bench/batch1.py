@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="split over devices: 'tp=N[,ep=M]'; random weights are then created directly in their shards")
     ap.add_argument("--kda-kernel", choices=["xla", "pallas"], default="xla",
                     help="KDA recurrence for decode / verify / commit: XLA ops or the Pallas Mosaic GPU kernel")
+    ap.add_argument("--approx", type=_approx, default=None, metavar="MODES",
+                    help="approximate speed modes (lingjax/approx.py), off by default: comma list of "
+                         "expert_keep=X, bf16_router_head, bf16_kda_state, fp8_mla_cache")
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
     return ap
 
@@ -84,6 +87,14 @@ def _spec_list(text: str) -> list[str]:
     if not specs or bad or len(set(specs)) != len(specs):
         raise argparse.ArgumentTypeError(f"{text!r}: expected none, mtp, dspark or a comma list of distinct ones")
     return specs
+
+
+def _approx(text: str):
+    from lingjax.approx import ApproxModes
+    try:
+        return ApproxModes.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _tau_list(text: str) -> list[float]:
@@ -113,6 +124,8 @@ def _check_args(ap, a) -> None:
     if "dspark" in a.spec and a.checkpoint and not a.draft:
         ap.error("--spec dspark with --checkpoint needs the DSpark draft checkpoint: --draft DIR "
                  "(a random draft is only built for random target weights)")
+    if a.approx is not None and a.approx.fp8_mla_cache and a.mesh:
+        ap.error("--approx fp8_mla_cache with --mesh is not supported yet (no cache sharding for the fp8 scales)")
     if a.profile_tokens < 2:
         ap.error("--profile-tokens must be >= 2")
     for tau in a.forced_accept or ():
@@ -273,6 +286,9 @@ def main(argv=None) -> dict:
                 dcfg_r = draft_config_for(cfg, a.block_size)
                 draft = sharding.random_init_sharded(lambda: DSparkDraft(dcfg_r, dtype=dt, rngs=nnx.Rngs(1)),
                                                      init_mesh, seed=1)
+        if a.approx is not None:
+            from lingjax.model.ling import set_approx
+            set_approx(target, a.approx)
         if mesh is not None and a.checkpoint:
             sharding.shard_model(target, mesh)
             if draft is not None:
@@ -394,6 +410,7 @@ def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, de
         "bench": "batch1", "model": "embedded" if a.embedded else a.checkpoint or (
             "random:" + (a.config_json or ("tiny" if a.tiny else "ling3-flash"))),
         "layers": cfg.num_hidden_layers, "dtype": a.dtype, "spec": method, "kda_kernel": a.kda_kernel,
+        "approx": a.approx.describe() if a.approx is not None else "none",
         "block_size": a.block_size if B else 0, "forced_accept": tau,
         "input_len": a.input_len, "output_len": a.output_len, "num_prompts": a.num_prompts,
         "ttft_ms": ms3(ttft), "tpot_ms": ms3(tpot), "itl_ms": ms3(itl_v, itl_w),

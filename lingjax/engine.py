@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lingjax.cache import init_cache
 from lingjax.model.ling import LingModel
 from lingjax.sampling import SamplingArrays, SamplingParams
 from lingjax.spec_decode import FINISH_LENGTH, FINISH_NAMES, FINISH_RUNNING, FINISH_STOP, Decoder, DraftOverride, SpecConfig
@@ -230,7 +229,7 @@ class Engine:
 
             def fn(params, t):
                 m = nnx.merge(graph, params)
-                return m(t, init_cache(m.cfg, 1, t.shape[1], m.dtype, with_mtp=False)).logits
+                return m(t, m.init_cache(1, t.shape[1], with_mtp=False)).logits
             self._logits_fn = (jax.jit(fn), params)
         fn, params = self._logits_fn
         return np.asarray(fn(params, jnp.asarray([ids], jnp.int32))[0], np.float32)
@@ -247,7 +246,7 @@ def measure_verify_costs(target: LingModel, widths: Sequence[int], context: int 
         m = nnx.merge(graph, params)
         return m(tokens, cache, logits="all", pending=True).logits
 
-    cache = init_cache(target.cfg, 1, context + max(widths) + 1, target.dtype, with_mtp=False)
+    cache = target.init_cache(1, context + max(widths) + 1, with_mtp=False)
     cache = cache._replace(pos=jnp.int32(context))
     times = []
     for n in widths:

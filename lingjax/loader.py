@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from lingjax.approx import ApproxModes
 from lingjax.engine import Engine
 from lingjax.model.kda import check_kda_kernel, set_kda_kernel
 from lingjax.spec_decode import SpecConfig
@@ -39,13 +40,15 @@ def load_draft(path: str | Path, dtype):
 def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None = None, *, dtype: str = "bfloat16",
                 spec: str | None = None, block_size: int | None = None, verify_policy: str = "fixed",
                 chunk_steps: int = 16, max_context: int | None = None, quiet: bool = False,
-                mesh: str | None = None, kda_kernel: str = "xla") -> Engine:
+                mesh: str | None = None, kda_kernel: str = "xla", approx: str | ApproxModes | None = None) -> Engine:
     """checkpoint None = the embedded default model (and its draft unless `draft` is given).
 
     mesh: 'tp=N[,ep=M]' (lingjax.sharding.parse_mesh) to split the target and draft over N*M
     devices (heads / vocab / expert intermediate over tp, experts over ep); None = one device.
     kda_kernel: 'xla' | 'pallas' (the fused Mosaic GPU KDA kernel for decode / verify / commit;
-    NVIDIA Hopper GPU only), see lingjax/model/kda.py."""
+    NVIDIA Hopper GPU only), see lingjax/model/kda.py.
+    approx: approximate speed modes, an ApproxModes or its text form ('expert_keep=0.75,bf16_router_head,
+    bf16_kda_state,fp8_mla_cache'; lingjax/approx.py); None = every mode off (exact)."""
     if dtype not in DTYPES:
         raise LoadError(f"unknown dtype {dtype!r}; choose from bfloat16, float32, float64")
     jdtype = DTYPES[dtype]
@@ -59,6 +62,13 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
     if kda_kernel == "pallas" and jax.default_backend() != "gpu":
         raise LoadError(f"--kda-kernel pallas needs an NVIDIA Hopper GPU (a Mosaic GPU kernel); the backend is "
                         f"{jax.default_backend()!r}: use --kda-kernel xla")
+    try:
+        modes = approx if isinstance(approx, ApproxModes) else ApproxModes.parse(approx)
+    except ValueError as e:
+        raise LoadError(f"--approx: {e}") from None
+    if modes.fp8_mla_cache and mesh is not None:
+        raise LoadError("--approx fp8_mla_cache with --mesh is not supported yet (the cache shardings have no "
+                        "entry for the per-token scales); drop one of them")
     t0 = time.perf_counter()
     tokenizer, target, drafter = None, None, None
     if checkpoint is None:
@@ -75,6 +85,8 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
         if (path / "tokenizer.json").exists():
             from lingjax.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(path)
+    from lingjax.model.ling import set_approx
+    set_approx(target, modes)
     try:
         set_kda_kernel(target, kda_kernel)
     except ValueError as e:
@@ -98,5 +110,5 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
     engine = Engine(target, tokenizer, drafter if method == "dspark" else None, spec=spec_cfg,
                     chunk_steps=chunk_steps, max_context=max_context)
     _log(f"loaded in {time.perf_counter() - t0:.1f}s (spec={method}, block={spec_cfg.block_size}, "
-         f"policy={verify_policy}, kda_kernel={kda_kernel})", quiet)
+         f"policy={verify_policy}, kda_kernel={kda_kernel}, approx={modes.describe()})", quiet)
     return engine

@@ -376,7 +376,7 @@ class Decoder:
 
 
 def _init_cache(target: LingModel, max_len: int) -> LingCache:
-    return init_cache(target.cfg, 1, max_len, target.dtype, with_mtp=target.mtp is not None)
+    return init_cache(target.cfg, 1, max_len, target.dtype, with_mtp=target.mtp is not None, approx=target.approx)
 
 
 def _apply_override(o: DraftOverride, pos, step, drafts, vocab: int):

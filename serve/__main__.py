@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-steps", type=int, default=16,
                     help="speculative steps per device chunk (streaming and cancellation granularity)")
     ap.add_argument("--mesh", default=None, help="split over devices: 'tp=N[,ep=M]' (default: one device)")
+    ap.add_argument("--approx", default=None, metavar="MODES",
+                    help="approximate speed modes, off by default (lingjax/approx.py): comma list of "
+                         "expert_keep=X, bf16_router_head, bf16_kda_state, fp8_mla_cache")
     ap.add_argument("--max-context", type=int, default=None,
                     help="context length in tokens (default: the model's max_position_embeddings)")
     ap.add_argument("--tokenizer", metavar="DIR", help="load tokenizer.json (+ chat template) from DIR instead")
@@ -67,7 +70,8 @@ def engine_factory(args):
         from lingjax.loader import load_engine
         engine = load_engine(args.checkpoint, args.draft, dtype=args.dtype, spec=args.spec,
                              block_size=args.block_size, verify_policy=args.verify_policy,
-                             chunk_steps=args.chunk_steps, max_context=args.max_context, mesh=args.mesh)
+                             chunk_steps=args.chunk_steps, max_context=args.max_context, mesh=args.mesh,
+                             approx=args.approx)
         tok = None
         if args.tokenizer_byte_level:
             from serve.testing import byte_level_tokenizer
@@ -94,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--chunk-steps must be >= 1, got {args.chunk_steps}")
     if args.max_context is not None and args.max_context < 4:
         ap.error(f"--max-context must be >= 4, got {args.max_context}")
+    if args.approx is not None:
+        from lingjax.approx import ApproxModes
+        try:
+            ApproxModes.parse(args.approx)
+        except ValueError as e:
+            ap.error(f"--approx: {e}")
     if not args.fake_engine:
         for flag, path in (("--checkpoint", args.checkpoint), ("--draft", args.draft), ("--tokenizer", args.tokenizer)):
             if path is not None and not Path(path).is_dir():

@@ -1,6 +1,7 @@
 """Kimi Delta Attention layer (spec/kda.md): fused q/k/v/f/g projection, depthwise causal conv +
 SiLU on q/k/v, L2-normalised q/k, safe (or softplus) gate, beta, the delta-rule recurrence
-(chunked for T > 1, one step for T = 1), gated per-head RMSNorm, o_proj.
+(chunked for T > 1, one step for T = 1), gated per-head RMSNorm, o_proj. The recurrence runs in
+the accumulation dtype whatever the cache stores (bf16 with ApproxModes.bf16_kda_state).
 
 The recurrence runs on one of two kernels (``kda_kernel``, XLA by default):
   "xla"    lingjax.ops.kda everywhere: kda_step (decode), kda_chunked (prefill / verify),
@@ -137,13 +138,15 @@ class KDA(nnx.Module):
             g = jnp.where(real[None, :, None, None], g, 0.0)
             beta = jnp.where(real[None, :, None], beta, 0.0)
         pallas = self.kda_kernel == "pallas" and (t == 1 or pending) and t <= kda_decode.MAX_T
+        s0 = widen_state(cache.state, acc)
         if pallas:
-            o, s = _pallas(kda_decode.kda_recurrent_pallas, q, k, v, g, beta, cache.state)
+            o, s = _pallas(kda_decode.kda_recurrent_pallas, q, k, v, g, beta, s0)
         elif t == 1 and not pending:
-            o, s = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state)
+            o, s = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
             o = o[:, None]
         else:
-            o, s = kda_ops.kda_chunked(q, k, v, g, beta, cache.state)
+            o, s = kda_ops.kda_chunked(q, k, v, g, beta, s0)
+        s = store_state(s, cache.state.dtype)
         y = self._output(o, proj[:, :, 4], x.dtype)
         if pending:
             return y, (KDAPendingPallas if pallas else KDAPending)(cache, k, v, g, beta, conv_in)
@@ -161,6 +164,16 @@ class KDA(nnx.Module):
         return jnp.einsum("bthk,hkd->btd", o, self.w_out[...])
 
 
+def widen_state(state, acc):
+    """A state stored below the accumulation dtype (ApproxModes.bf16_kda_state) is updated in acc."""
+    return state if state.dtype == acc else state.astype(acc)
+
+
+def store_state(state, dtype):
+    """Round an updated state to its cache's storage dtype (identity when they match)."""
+    return state if state.dtype == dtype else state.astype(dtype)
+
+
 def causal_conv(window, w, t: int):
     """Depthwise causal conv. window [B, ks-1+T, C...] (history then inputs), w [ks, C...] -> [B, T, C...].
 
@@ -174,10 +187,12 @@ def causal_conv(window, w, t: int):
 
 def commit_prefix(p: KDAPending, n) -> KDAState:
     """State and conv window after the first n tokens of a pending block (n traced, 0 <= n <= T)."""
+    s0 = widen_state(p.start.state, p.k.dtype)     # k is in the accumulation dtype
     if isinstance(p, KDAPendingPallas):
-        s = _pallas(kda_decode.kda_state_after_prefix_pallas, p.start.state, p.k, p.v, p.g, p.beta, n)
+        s = _pallas(kda_decode.kda_state_after_prefix_pallas, s0, p.k, p.v, p.g, p.beta, n)
     else:
-        s = kda_ops.kda_state_after_prefix(p.start.state, p.k, p.v, p.g, p.beta, n)
+        s = kda_ops.kda_state_after_prefix(s0, p.k, p.v, p.g, p.beta, n)
+    s = store_state(s, p.start.state.dtype)
     ks1 = p.start.conv.shape[1]
     conv = jax.lax.dynamic_slice_in_dim(p.conv_in, n, ks1, axis=1) if ks1 else p.start.conv
     return KDAState(s, conv)

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lingjax.cache import LingCache, MLAState
+from lingjax.approx import ApproxModes
+from lingjax.cache import LingCache, MLAState, init_cache
 from lingjax.config import LingConfig
 from lingjax.model.common import RMSNorm, acc_dtype, param
 from lingjax.model.kda import KDA, check_kda_kernel, commit_prefix
@@ -75,8 +76,10 @@ class ForwardOut(NamedTuple):
 
 class LingModel(nnx.Module):
     def __init__(self, cfg: LingConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None, with_mtp: bool | None = None,
-                 kda_kernel: str = "xla"):
-        """kda_kernel: 'xla' (default) | 'pallas': the KDA recurrence kernel (lingjax/model/kda.py)."""
+                 kda_kernel: str = "xla", approx: ApproxModes = ApproxModes()):
+        """kda_kernel: 'xla' (default) | 'pallas': the KDA recurrence kernel (lingjax/model/kda.py).
+        approx: optional approximate speed modes (lingjax/approx.py), all off by default; caches
+        for this model come from `self.init_cache` (storage dtypes follow the modes)."""
         check_kda_kernel(kda_kernel)
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg = cfg
@@ -90,6 +93,11 @@ class LingModel(nnx.Module):
         if with_mtp is None:
             with_mtp = cfg.num_nextn_predict_layers > 0
         self.mtp = MTPLayer(cfg, dtype=dtype, rngs=rngs) if with_mtp else None
+        set_approx(self, approx)
+
+    def init_cache(self, batch: int, max_len: int, *, with_mtp: bool | None = None) -> LingCache:
+        """Zeroed cache for this model: activation dtype, storage dtypes of `self.approx`."""
+        return init_cache(self.cfg, batch, max_len, self.dtype, with_mtp=with_mtp, approx=self.approx)
 
     def embed_tokens(self, tokens):
         with jax.named_scope("embed"):
@@ -99,6 +107,9 @@ class LingModel(nnx.Module):
         """hidden [..., D] (final-normed) -> fp32 (acc) logits [..., V]."""
         acc = acc_dtype(hidden.dtype)
         with jax.named_scope("lm_head"):
+            if self.approx.bf16_router_head:   # bf16 logits, widened so consumers see one dtype
+                bf = jnp.bfloat16
+                return jnp.dot(hidden.astype(bf), self.lm_head[...].astype(bf), preferred_element_type=bf).astype(acc)
             return jnp.dot(hidden, self.lm_head[...], preferred_element_type=acc)
 
     def __call__(self, tokens, cache: LingCache, *, logits: str = "all", tap_layers: tuple[int, ...] = (),
@@ -155,6 +166,17 @@ class LingModel(nnx.Module):
         pos = cache.pos if pos is None else pos
         out, mtp_cache = self.mtp(hidden, self.embed_tokens(next_tokens), cache.mtp, pos)
         return out, cache._replace(mtp=mtp_cache)
+
+
+def set_approx(model: nnx.Module, approx: ApproxModes) -> nnx.Module:
+    """Set the approximate modes of `model` (a LingModel, e.g. one built by a checkpoint loader) and
+    of its MoE layers, in place; call it before the model is split / jitted. Returns `model`."""
+    if not isinstance(approx, ApproxModes):
+        raise TypeError(f"approx must be a lingjax.approx.ApproxModes, got {type(approx).__name__}")
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, (LingModel, MoE)):
+            m.approx = approx
+    return model
 
 
 def commit(verified: LingCache, pending: tuple, n, start_pos) -> LingCache:

@@ -3,6 +3,11 @@
 The cache holds only kv_a_layernorm(latent) [S, 512] and the rotated rope key [S, 64]. For short
 query blocks (decode, verify) `kv_b_proj` is absorbed into the query / output side so the cache is
 never expanded; long blocks (prefill) expand k_nope / v per head, which is cheaper there.
+
+With ApproxModes.fp8_mla_cache the cache's latent is float8_e4m3fn with a float32 scale per token
+(`MLAState.latent_scale`): a token's quantised latent does not depend on which block wrote it, so
+prefill, decode and verify see the same values. The absorbed form folds the scale into the scores
+and the probabilities (the dots read fp8 converted, never a rescaled copy of the cache).
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lingjax.approx import quantize_fp8_per_token
 from lingjax.cache import MLAState
 from lingjax.config import LingConfig
 from lingjax.model.common import RMSNorm, acc_dtype, apply_rope, param, rope_cos_sin
@@ -58,9 +64,12 @@ class GatedMLA(nnx.Module):
         q_nope = q[..., :nope]
         q_rope = apply_rope(q[..., nope:], cos[:, None], sin[:, None], interleaved=cfg.rope_interleave)
         k_rope = apply_rope(c[..., lat:], cos, sin, interleaved=cfg.rope_interleave)
-        cache = MLAState(
-            jax.lax.dynamic_update_slice_in_dim(cache.latent, latent.astype(cache.latent.dtype), pos, axis=1),
-            jax.lax.dynamic_update_slice_in_dim(cache.k_rope, k_rope.astype(cache.k_rope.dtype), pos, axis=1))
+        if cache.latent_scale is None:
+            cache = MLAState(
+                jax.lax.dynamic_update_slice_in_dim(cache.latent, latent.astype(cache.latent.dtype), pos, axis=1),
+                jax.lax.dynamic_update_slice_in_dim(cache.k_rope, k_rope.astype(cache.k_rope.dtype), pos, axis=1))
+        else:
+            cache = _write_fp8(cache, latent, k_rope, pos)
         s_len = cache.latent.shape[1]
         mask = jnp.arange(s_len)[None, :] <= positions[:, None]               # [T, S]
         if t < ABSORB_MAX_TOKENS:
@@ -79,7 +88,10 @@ class GatedMLA(nnx.Module):
         """Naive MLA: k_nope, v = kv_b(latent) per head over the whole cache. Returns [B, T, H, V]."""
         nope = self.cfg.qk_nope_head_dim
         acc = acc_dtype(q_nope.dtype)
-        kv = jnp.einsum("bsl,lhe->bshe", cache.latent, self.kv_b[...])
+        latent = cache.latent
+        if cache.latent_scale is not None:   # fp8 cache: dequantise (prefill is not bound by cache reads)
+            latent = (latent.astype(acc) * cache.latent_scale[..., None]).astype(q_nope.dtype)
+        kv = jnp.einsum("bsl,lhe->bshe", latent, self.kv_b[...])
         k_nope, v = kv[..., :nope], kv[..., nope:]
         scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, preferred_element_type=acc)
                   + jnp.einsum("bthr,bsr->bhts", q_rope, cache.k_rope, preferred_element_type=acc))
@@ -93,8 +105,24 @@ class GatedMLA(nnx.Module):
         kv_b = self.kv_b[...]
         q_lat = jnp.einsum("bthn,lhn->bthl", q_nope.astype(acc), kv_b[..., :nope].astype(acc))
         lat = cache.latent
+        if cache.latent_scale is not None:   # fp8 cache: per-token scale folded into scores / probabilities
+            scale = cache.latent_scale[:, None, None, :].astype(acc)            # [B, 1, 1, S]
+            lat = lat.astype(q_nope.dtype)
+            scores = (jnp.einsum("bthl,bsl->bhts", q_lat.astype(lat.dtype), lat, preferred_element_type=acc) * scale
+                      + jnp.einsum("bthr,bsr->bhts", q_rope, cache.k_rope, preferred_element_type=acc))
+            p = self._softmax(scores, mask)
+            o_lat = jnp.einsum("bhts,bsl->bthl", (p * scale).astype(lat.dtype), lat, preferred_element_type=acc)
+            return jnp.einsum("bthl,lhv->bthv", o_lat, kv_b[..., nope:].astype(acc))
         scores = (jnp.einsum("bthl,bsl->bhts", q_lat.astype(lat.dtype), lat, preferred_element_type=acc)
                   + jnp.einsum("bthr,bsr->bhts", q_rope, cache.k_rope, preferred_element_type=acc))
         p = self._softmax(scores, mask)
         o_lat = jnp.einsum("bhts,bsl->bthl", p.astype(lat.dtype), lat, preferred_element_type=acc)
         return jnp.einsum("bthl,lhv->bthv", o_lat, kv_b[..., nope:].astype(acc))
+
+
+def _write_fp8(cache: MLAState, latent, k_rope, pos) -> MLAState:
+    """Write a block's latent [B, T, L] (quantised per token) and rope key [B, T, R] at pos."""
+    q, scale = quantize_fp8_per_token(latent)
+    return MLAState(jax.lax.dynamic_update_slice_in_dim(cache.latent, q, pos, axis=1),
+                    jax.lax.dynamic_update_slice_in_dim(cache.k_rope, k_rope.astype(cache.k_rope.dtype), pos, axis=1),
+                    jax.lax.dynamic_update_slice_in_dim(cache.latent_scale, scale, pos, axis=1))

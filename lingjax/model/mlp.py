@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from lingjax.approx import ApproxModes
 from lingjax.config import LingConfig
 from lingjax.model.common import param
 from lingjax.ops import moe as moe_ops
@@ -27,11 +28,13 @@ class DenseMLP(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """Sigmoid group-limited router + routed experts (stacked [E, ...]) + one unscaled shared expert."""
+    """Sigmoid group-limited router + routed experts (stacked [E, ...]) + one unscaled shared expert.
+    `approx` (lingjax/approx.py): expert_keep and bf16_router_head change the routing; off by default."""
 
-    def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs):
+    def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs, approx: ApproxModes = ApproxModes()):
         d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.cfg = cfg
+        self.approx = approx
         self.limit = cfg.swiglu_limit(layer, shared=False)
         self.router = param(rngs, (d, e), ("embed", None), dtype, std=d ** -0.5)
         self.expert_bias = param(None, (e,), (None,), jnp.promote_types(dtype, jnp.float32), init="zeros")
@@ -48,7 +51,8 @@ class MoE(nnx.Module):
         idx, w = moe_ops.route(xf, self.router[...], self.expert_bias[...], n_group=cfg.n_group,
                                topk_group=cfg.topk_group, top_k=cfg.num_experts_per_tok,
                                norm_topk_prob=cfg.norm_topk_prob,
-                               routed_scaling_factor=cfg.routed_scaling_factor)
+                               routed_scaling_factor=cfg.routed_scaling_factor,
+                               expert_keep=self.approx.expert_keep, bf16_logits=self.approx.bf16_router_head)
         experts = moe_ops.experts_gather if b * t < MOE_GATHER_MAX_TOKENS else moe_ops.experts_sorted_blocks
         routed = experts(xf, idx, w, self.w_gate_up, self.w_down, self.limit)   # Param or Fp8Weight
         return (routed + self.shared(xf)).reshape(b, t, d)

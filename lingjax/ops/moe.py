@@ -5,6 +5,13 @@ and `experts_sorted_blocks` (prefill: assignments sorted by expert into fixed-si
 expert per block, scanned) — they compute the same function; `experts_dense` is the test oracle.
 Ties in top-k are broken towards the lower index (jax.lax.top_k).
 
+Approximate expert skipping (`route(..., expert_keep=X)`, lingjax/approx.py) keeps the k slots:
+a dropped slot gets weight 0 and the index of the token's heaviest expert, so both paths stay
+exact for the kept experts (0 * y adds nothing) while the distinct experts a token touches fall to
+the kept count: the sorted-block path (prefill) runs fewer expert blocks, and the gather path reads
+the duplicate rows again (a kernel that skips zero-weight slots, or the cache, turns that into a
+saving; measure it on the device).
+
 Expert weights are passed as Param-likes (`w[...]` gives the array) so that block-fp8 weights
 (`lingjax.quant.Fp8Weight`) are gathered before they are dequantised; plain arrays work too.
 """
@@ -34,7 +41,8 @@ def _param_like(w):
 
 
 def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int,
-          norm_topk_prob: bool, routed_scaling_factor: float):
+          norm_topk_prob: bool, routed_scaling_factor: float, expert_keep: float | None = None,
+          bf16_logits: bool = False):
     """Group-limited top-k routing (published BailingMoeV3 semantics).
 
     x [N, D]; w_router [D, E]; expert_bias [E]. Returns (idx [N, k] int32, weight [N, k] acc).
@@ -42,10 +50,15 @@ def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int
     group's top-2 biased scores, keep `topk_group` groups, top-k biased scores inside them.
     Combine weights are the unbiased s of the chosen experts (normalised if norm_topk_prob),
     times routed_scaling_factor.
+    Approximate modes (off by default): bf16_logits computes logits and sigmoid in bfloat16;
+    expert_keep=X keeps the heaviest experts carrying X of s before normalising (`keep_top_share`).
     """
     acc = acc_dtype(x.dtype)
-    logits = jnp.dot(x.astype(acc), w_router.astype(acc))
-    s = jax.nn.sigmoid(logits)
+    if bf16_logits:
+        s = jax.nn.sigmoid(jnp.dot(x.astype(jnp.bfloat16), w_router.astype(jnp.bfloat16))).astype(acc)
+    else:
+        logits = jnp.dot(x.astype(acc), w_router.astype(acc))
+        s = jax.nn.sigmoid(logits)
     biased = s + expert_bias.astype(acc)
     n, e = biased.shape
     grouped = biased.reshape(n, n_group, e // n_group)
@@ -56,9 +69,26 @@ def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int
     masked = jnp.where(expert_mask, biased, -jnp.inf)
     _, idx = jax.lax.top_k(masked, top_k)
     w = jnp.take_along_axis(s, idx, axis=1)
+    if expert_keep is not None:
+        idx, w = keep_top_share(idx, w, expert_keep)
     if norm_topk_prob:
         w = w / (w.sum(-1, keepdims=True) + 1e-20)
     return idx.astype(jnp.int32), w * routed_scaling_factor
+
+
+def keep_top_share(idx, w, keep: float):
+    """Expert skipping: idx / w [N, k] (w >= 0) -> the same shapes with only the heaviest slots
+    whose weights, taken in descending order (ties: lower slot first), reach `keep` of the row's
+    total kept: a slot stays if the weight heavier than it is < keep * total (so the heaviest one
+    always stays). Dropped slots get weight 0 and the heaviest slot's expert index."""
+    order = jnp.argsort(-w, axis=1, stable=True)
+    ws = jnp.take_along_axis(w, order, axis=1)
+    before = jnp.cumsum(ws, axis=1) - ws
+    kept_sorted = before < keep * ws.sum(-1, keepdims=True)
+    kept_sorted = kept_sorted.at[:, 0].set(True)               # an all-zero row keeps its top slot
+    kept = jnp.take_along_axis(kept_sorted, jnp.argsort(order, axis=1), axis=1)
+    top = jnp.take_along_axis(idx, order[:, :1], axis=1)
+    return jnp.where(kept, idx, top), jnp.where(kept, w, 0.0).astype(w.dtype)
 
 
 def swiglu(gate, up, limit: float | None):
