@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -258,7 +259,13 @@ def test_disconnect_then_next_request(tiny):
 
 
 def test_metrics(tiny):
+    # the worker updates its gauges after the last response has been sent (and a disconnected
+    # stream of an earlier test may still be finishing): wait until the server is idle
+    deadline = time.monotonic() + 60
     m = tiny.server.metrics()
+    while (m["lingjax:num_requests_running"] or m["lingjax:num_requests_waiting"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        m = tiny.server.metrics()
     assert m["lingjax:prompt_tokens_total"] >= 56
     assert m["lingjax:generation_tokens_total"] > 0
     assert m["lingjax:time_to_first_token_seconds_count"] > 0
