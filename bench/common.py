@@ -44,3 +44,33 @@ def block(x):
     import jax
     jax.block_until_ready(x)
     return x
+
+
+def time_fn(f, args, iters, warmup):
+    """(median seconds of one blocked call, seconds per call when issued back to back)."""
+    import jax
+    import numpy as np
+    for _ in range(max(1, warmup)):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    outs = [f(*args) for _ in range(iters)]
+    jax.block_until_ready(outs)
+    return float(np.median(ts)), (time.perf_counter() - t) / iters
+
+
+def kernel_interpret(ap, a, what: str):
+    """For kernel benchmarks: plgpu interpret params under --interpret, else False; exits with a
+    clear message when a Mosaic GPU kernel would be compiled on a non-GPU backend."""
+    import jax
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    backend = jax.default_backend()
+    if not a.interpret and backend != "gpu":
+        ap.error(f"{what} compile(s) for an NVIDIA Hopper GPU; this backend is {backend!r}: pass "
+                 "--interpret for a CPU smoke run at small shapes")
+    return plgpu.InterpretGPUParams() if a.interpret else False
+

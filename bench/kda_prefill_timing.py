@@ -25,6 +25,7 @@ import json
 import time
 from pathlib import Path
 
+from bench.common import time_fn
 from lingjax import xla_env
 
 FLA_MS = {8192: 1.09, 65536: 8.25}      # FLA chunk_kda on the H200 (spec/kda.md)
@@ -75,21 +76,6 @@ def floor_bytes(T, H, n_seq) -> int:
     return inputs + 2 * chunk + T * H * V * 4 + n_seq * H * K * V * 4
 
 
-def time_fn(f, args, iters, warmup):
-    """(median seconds of one blocked call, seconds per call when issued back to back)."""
-    import jax
-    import numpy as np
-    for _ in range(max(1, warmup)):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    t = time.perf_counter()
-    outs = [f(*args) for _ in range(iters)]
-    jax.block_until_ready(outs)
-    return float(np.median(ts)), (time.perf_counter() - t) / iters
 
 
 def rel_rmse_f64(o, s, q, k, v, g, beta, cu):
@@ -183,15 +169,11 @@ def main(argv=None) -> dict:
     if not a.no_xla_defaults:
         xla_env.configure()
     import jax
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from bench.batch1 import measure_copy_bandwidth
-    from bench.common import env_info
+    from bench.common import env_info, kernel_interpret
     backend = jax.default_backend()
-    if not a.interpret and backend != "gpu":
-        ap.error(f"the kernels compile for an NVIDIA Hopper GPU; this backend is {backend!r}: "
-                 "pass --interpret for a CPU smoke run")
-    interpret = plgpu.InterpretGPUParams() if a.interpret else False
+    interpret = kernel_interpret(ap, a, "the kernels")
     copy_bw = measure_copy_bandwidth((1024 if backend == "gpu" else 8) << 20)
     results = []
     for T in Ts:

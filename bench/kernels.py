@@ -242,15 +242,11 @@ def main(argv=None) -> dict:
     if not a.no_xla_defaults:
         xla_env.configure()
     import jax
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from bench.batch1 import measure_copy_bandwidth
-    from bench.common import save_result
+    from bench.common import kernel_interpret, save_result
     backend = jax.default_backend()
-    if not a.interpret and backend != "gpu":
-        ap.error(f"the Pallas kernels compile for an NVIDIA Hopper GPU; this backend is {backend!r}: pass "
-                 "--interpret for a smoke run at small shapes")
-    interpret = plgpu.InterpretGPUParams() if a.interpret else False
+    interpret = kernel_interpret(ap, a, "the Pallas kernels")
     shape = SMALL if a.interpret else LING
     for bv in block_vs:
         if bv is not None and (shape["K"] % bv or bv % 8):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from bench.common import time_fn
 from lingjax import xla_env
 
 
@@ -62,21 +63,6 @@ def make_weights(E, D, F, seed):
     return jax.block_until_ready(make())
 
 
-def time_fn(f, args, iters, warmup):
-    """(median seconds of one blocked call, seconds per call when issued back to back)."""
-    import jax
-    import numpy as np
-    for _ in range(max(1, warmup)):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    t = time.perf_counter()
-    outs = [f(*args) for _ in range(iters)]
-    jax.block_until_ready(outs)
-    return float(np.median(ts)), (time.perf_counter() - t) / iters
 
 
 def run_M(M, a, weights, interpret, copy_bw) -> dict:
@@ -137,15 +123,11 @@ def main(argv=None) -> dict:
     if not a.no_xla_defaults:
         xla_env.configure()
     import jax
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from bench.batch1 import measure_copy_bandwidth
-    from bench.common import save_result
+    from bench.common import kernel_interpret, save_result
     backend = jax.default_backend()
-    if not a.interpret and backend != "gpu":
-        ap.error(f"the kernel compiles for an NVIDIA Hopper GPU; this backend is {backend!r}: "
-                 "pass --interpret (with small --E/--D/--F) for a CPU smoke run")
-    interpret = plgpu.InterpretGPUParams() if a.interpret else False
+    interpret = kernel_interpret(ap, a, "the kernel")
     copy_bw = measure_copy_bandwidth((1024 if backend == "gpu" else 8) << 20)
     weights = make_weights(a.E, a.D, a.F, a.seed)
     results = []
