@@ -1,0 +1,192 @@
+"""Skinny GEMM kernel (pallas_kernels/skinny_gemm.py) vs XLA at Ling's dense projection shapes.
+
+    python -m bench.skinny_gemm_timing --M 1,9,16 [--iters 50] [--out-dir DIR]
+    python -m bench.skinny_gemm_timing --M 9 --shapes 4096x2560 --block-n 64 --split-k 4,8,16  # sweep
+    python -m bench.skinny_gemm_timing --interpret --M 1 --shapes 256x128 --iters 1   # CPU smoke
+
+Shapes (KxN, --shapes): 2560x20480 KDA fused q/k/v/f/g input projection, 4096x2560 KDA o_proj,
+2560x157184 lm_head. Weights (--dtypes): bf16 (normal * 0.02), and fp8 e4m3 (random bytes, NaN
+codes zeroed) with random power-of-two 128 x 128 block scales, made on the device; x bf16 normal.
+Rows per (shape, dtype, M), each the median over --iters blocked calls after --warmup calls
+(compile excluded), and `pipelined` = --iters calls issued back to back with one block at the end,
+/ --iters:
+  kernel   skinny_gemm_pallas (x padding, kernel, split-K sum / transpose), default tiling unless
+           --block-n / --split-k / --stages (comma lists: every combination is a row)
+  xla      bf16: jax.jit(x @ w); fp8: x @ lingjax.quant.dequantize(w, scale) in bf16 (the model's
+           Fp8Weight path: XLA fuses the dequantisation into the dot or not)
+bytes = weight bytes + fp8 scales (what a call must read at least); GBps = bytes / pipelined time;
+pct_4p3 = % of 4.3 TB/s (the H200's measured copy bandwidth, the target's yardstick); pct_copy =
+% of the copy bandwidth measured in this process (bench.batch1.measure_copy_bandwidth).
+max_abs_err / ref_max: kernel (float32 out) vs the float32 reference x @ dequantised w.
+Writes bench/results/skinny_gemm_timing-*.json (or --out-dir) via bench.common.save_result.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+from bench.common import time_fn
+from lingjax import xla_env
+
+LING_SHAPES = "2560x20480,4096x2560,2560x157184"
+COPY_BW_H200 = 4.3e12
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.skinny_gemm_timing", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--M", default="1,9,16", help="comma list of token counts (1..16)")
+    ap.add_argument("--shapes", default=LING_SHAPES, help="comma list of KxN weight shapes")
+    ap.add_argument("--dtypes", default="bf16,fp8", help="weight dtypes: bf16 and/or fp8")
+    ap.add_argument("--block-n", default="", help="comma list of block_n overrides (default: kernel's)")
+    ap.add_argument("--split-k", default="", help="comma list of split_k overrides")
+    ap.add_argument("--stages", default="", help="comma list of pipeline-depth overrides")
+    ap.add_argument("--iters", type=int, default=50, help="timed calls per row")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed calls per row (first compiles)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-xla", action="store_true", help="skip the XLA rows")
+    ap.add_argument("--interpret", action="store_true",
+                    help="Mosaic GPU interpret mode (CPU smoke; times meaningless)")
+    ap.add_argument("--out-dir", default=None, help="result directory (default bench/results)")
+    ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
+    return ap
+
+
+def _ints(ap, s, what):
+    try:
+        return [int(v) for v in s.split(",") if v.strip()]
+    except ValueError:
+        ap.error(f"{what} must be comma-separated integers, got {s!r}")
+
+
+def make_weights(K, N, fp8, seed):
+    """bf16 w [K, N], or (fp8 w [K, N], scale [K/128, ceil(N/128)] f32), made on the device."""
+    import jax
+    import jax.numpy as jnp
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    if not fp8:
+        make = jax.jit(lambda: (0.02 * jax.random.normal(k1, (K, N), jnp.float32)).astype(jnp.bfloat16))
+        return jax.block_until_ready(make()), None
+
+    def fp8_values():
+        b = jax.random.bits(k1, (K, N), jnp.uint8)
+        b = jnp.where((b & 0x7F) == 0x7F, jnp.uint8(0), b)              # 0x7f / 0xff are NaN in e4m3fn
+        return jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn)
+
+    def scale():
+        return 2.0 ** jax.random.randint(k2, (K // 128, -(-N // 128)), -14, -8).astype(jnp.float32)
+
+    return jax.block_until_ready(jax.jit(lambda: (fp8_values(), scale()))())
+
+
+def run_row(M, K, N, dtype, w, s, tiling, a, interpret, copy_bw) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from lingjax.param_layout import Matrix
+    from lingjax.quant import dequantize
+    from pallas_kernels.skinny_gemm import (skinny_gemm_config, skinny_gemm_pallas,
+                                            skinny_gemm_reference, weight_bytes)
+    fp8 = dtype == "fp8"
+    cfg = skinny_gemm_config(M, K, N, fp8, **tiling)
+    rec = {"M": M, "K": K, "N": N, "dtype": dtype, "tiling": tiling,
+           "config": {"block_n": cfg.block_n, "split_k": cfg.split_k, "stages": cfg.stages,
+                      "m_pad": cfg.m_pad, "smem_bytes": cfg.smem_bytes},
+           "bytes": weight_bytes(K, N, jnp.float8_e4m3fn if fp8 else jnp.bfloat16)}
+    rec["floor_us"] = rec["bytes"] / COPY_BW_H200 * 1e6
+    x = jax.random.normal(jax.random.PRNGKey(a.seed + M), (M, K), jnp.float32).astype(jnp.bfloat16)
+    ws = (w, s) if fp8 else (w,)
+    kern = jax.jit(lambda x, *ws: skinny_gemm_pallas(x, *ws, interpret=interpret, **tiling))
+    rows = [("kernel", kern, (x, *ws))]
+    if not a.no_xla:
+        if fp8:
+            view = Matrix((), (0,), (1,))
+            xla = jax.jit(lambda x, w, s: x @ dequantize(w, s, view, (128, 128), jnp.bfloat16))
+        else:
+            xla = jax.jit(lambda x, w: x @ w)
+        rows.append(("xla", xla, (x, *ws)))
+    for name, fn, args in rows:
+        try:
+            med, piped = time_fn(fn, args, a.iters, a.warmup)
+        except Exception as e:          # record a failing row (compile error, OOM) and go on
+            rec[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+            continue
+        rec[f"{name}_us"], rec[f"{name}_pipelined_us"] = med * 1e6, piped * 1e6
+        rec[f"{name}_GBps"] = rec["bytes"] / piped / 1e9
+        rec[f"{name}_pct_4p3"] = 100 * rec["bytes"] / piped / COPY_BW_H200
+        rec[f"{name}_pct_copy"] = 100 * rec["bytes"] / piped / copy_bw
+    if "kernel_us" in rec:
+        out = np.asarray(jax.jit(lambda x, *ws: skinny_gemm_pallas(
+            x, *ws, interpret=interpret, out_dtype=jnp.float32, **tiling))(x, *ws))
+        ref = np.asarray(jax.jit(skinny_gemm_reference)(x, w, s))
+        rec["max_abs_err"] = float(np.abs(out - ref).max())
+        rec["ref_max"] = float(np.abs(ref).max())
+        rec["finite"] = bool(np.isfinite(out).all())
+    return rec
+
+
+def _line(r) -> str:
+    line = (f"{r['dtype']} {r['K']}x{r['N']} M={r['M']} (bn {r['config']['block_n']}, split "
+            f"{r['config']['split_k']}, stages {r['config']['stages']}): {r['bytes'] / 1e6:.1f} MB, "
+            f"floor {r['floor_us']:.1f} us")
+    for n in ("kernel", "xla"):
+        if n + "_us" in r:
+            line += (f"; {n} {r[n + '_pipelined_us']:.1f} us ({r[n + '_GBps']:.0f} GB/s, "
+                     f"{r[n + '_pct_4p3']:.0f}% of 4.3 TB/s)")
+        elif n + "_error" in r:
+            line += f"; {n} FAILED (see the JSON)"
+    if "max_abs_err" in r:
+        line += f"; max|kernel-ref| {r['max_abs_err']:.3g} (ref max {r['ref_max']:.3g})"
+    return line
+
+
+def main(argv=None) -> dict:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    Ms = _ints(ap, a.M, "--M")
+    if not Ms or min(Ms) < 1 or max(Ms) > 16 or a.iters < 1:
+        ap.error("--M values must be in 1..16 and --iters >= 1")
+    try:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",") if s.strip()]
+    except ValueError:
+        ap.error(f"--shapes must be a comma list of KxN, got {a.shapes!r}")
+    if not shapes or any(len(s) != 2 or s[0] % 128 or s[1] % 64 for s in shapes):
+        ap.error("--shapes: each KxN needs K a multiple of 128 and N a multiple of 64")
+    dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
+    if not dtypes or set(dtypes) - {"bf16", "fp8"}:
+        ap.error(f"--dtypes must be a comma list of bf16/fp8, got {a.dtypes!r}")
+    grids = {k: _ints(ap, v, "--" + k.replace("_", "-")) or [None]
+             for k, v in (("block_n", a.block_n), ("split_k", a.split_k), ("stages", a.stages))}
+    tilings = [{k: v for k, v in zip(grids, combo) if v is not None}
+               for combo in itertools.product(*grids.values())]
+    if not a.no_xla_defaults:
+        xla_env.configure()
+    import jax
+
+    from bench.batch1 import measure_copy_bandwidth
+    from bench.common import kernel_interpret, save_result
+    interpret = kernel_interpret(ap, a, "the kernel")
+    copy_bw = measure_copy_bandwidth((1024 if jax.default_backend() == "gpu" else 8) << 20)
+    results = []
+    for K, N in shapes:
+        for dtype in dtypes:
+            w, s = make_weights(K, N, dtype == "fp8", a.seed)
+            for M in Ms:
+                for tiling in tilings:
+                    try:
+                        rec = run_row(M, K, N, dtype, w, s, tiling, a, interpret, copy_bw)
+                    except ValueError as e:     # a tiling override that does not fit this shape
+                        rec = {"M": M, "K": K, "N": N, "dtype": dtype, "tiling": tiling,
+                               "kernel_error": f"ValueError: {e}"}
+                        print(f"{dtype} {K}x{N} M={M} {tiling}: {e}")
+                    else:
+                        print(_line(rec))
+                    results.append(rec)
+            del w, s
+    record = {"bench": "skinny_gemm_timing", "copy_GBps": copy_bw / 1e9, "results": results}
+    save_result("skinny_gemm_timing", record, a.out_dir)
+    return record
+
+
+if __name__ == "__main__":
+    main()

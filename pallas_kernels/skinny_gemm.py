@@ -1,0 +1,292 @@
+"""Skinny GEMM for M = 1..16 tokens (Pallas Mosaic GPU, `plgpu.kernel`): weight-bandwidth bound.
+
+    x      [M, K]   activations (any float dtype; used as bf16), M <= 16
+    w      [K, N]   bfloat16, or float8_e4m3fn with
+    scale  [K/128, ceil(N/128)] float32: one scale per 128 x 128 block of w (the
+           :class:`lingjax.quant.Fp8Weight` layout of a 2-D ``Matrix((), (0,), (1,))`` view;
+           fused weights are reshaped to [K, N] by the caller, their scales to the same block grid)
+    -> y [M, N] = x @ dequantise(w)   in ``out_dtype`` (default x.dtype), float32 accumulation
+
+Used for the dense projections of a decode step (KDA fused input projection 2560 -> 5 x 4096,
+o_proj 4096 -> 2560, MLA projections, dense MLP, lm_head 2560 -> 157184: the logits come back and
+argmax runs in XLA). Every weight byte (and scale) is read from HBM exactly once per call; fp8
+weights are dequantised on chip and never written back as bf16.
+
+Design
+------
+* Grid ``(N / block_n, split_k)``: program (j, s) owns output columns ``[j*bn, (j+1)*bn)`` and the
+  K range ``[s*K/S, (s+1)*K/S)``. It streams w in [128, bn] tiles (one fp8 scale block per tile)
+  through ``plgpu.emit_pipeline`` (TMA into SMEM, ``stages`` buffers in flight) together with
+  the matching [m_pad, 128] chunk of the zero-padded tokens ``xp`` (L2 hits after the first CTA).
+* Tensor cores with the **weight tile as A** (``w_tile.T``: bn output features as WGMMA rows, a
+  transposed SMEM operand) and the tokens as B (``x_chunk.T``, N = m_pad = 8 for M <= 8, else 16):
+  ``acc[n, m] += sum_k w[k, n] x[m, k]`` in float32. bf16 weights go straight from the TMA buffer
+  (swizzled) to the WGMMA.
+* fp8: the tile arrives swizzled, is loaded to registers, converted to **float16** (exact: every
+  e4m3 value is an f16; sm_90 converts e4m3 -> f16 in hardware, two values per instruction, but
+  has no e4m3 -> bf16), stored to a swizzled SMEM tile and multiplied into a fresh accumulator;
+  the block scale is applied to that [bn, m_pad] float32 product (``carry += scale[k_blk, n_blk]
+  * p``: 8 or 16 multiplies per thread per tile instead of one per weight element; the program's
+  scales come in with one TMA that overlaps the first weight loads). The tokens are f16 too:
+  each row of x (bf16) is scaled in XLA by a power of two that puts its max |x| in [2**14, 2**15),
+  so every bf16 value above ~2**-28 * max|x| is exact in f16, and the output row is scaled back.
+  Net: the float32 product of x_bf16 and the exact dequantised weight, up to float32 summation
+  order -- more exact than the model's XLA path, which rounds ``w * scale`` to bf16. One scale
+  block per tile: ``block_n`` in {64, 128} for fp8.
+* Output: a [bn, m_pad] tile per program, TMA'd to ``part [split_k, N, m_pad]`` (float32 when
+  split_k > 1 or fp8, else out_dtype); XLA then sums the splits and transposes ``[:, :M]`` to [M, N]
+  (``split_k * N * m_pad * 4`` bytes, ~1-5% of the weight bytes at the Ling shapes).
+* split_k exists because most Ling matrices have too few column tiles to fill 132 SMs (o_proj:
+  20 tiles of 128). Defaults (first guesses, to be tuned on the H200 with
+  bench/skinny_gemm_timing.py): block_n = 128, or 64 when N has fewer than 132 tiles of 128 (or N
+  is not a multiple of 128); split_k = the smallest divisor of K/128 that gives >= 264 programs
+  (two per SM) with >= 4 K tiles each, else the largest with >= 4 K tiles; stages = as many as
+  fit ~110 KiB of SMEM (so two programs can share an SM), between 2 and 8.
+
+Launches per call: the x pad/convert fusion (+ the fp8 scale transpose, [K/128, N/128] floats,
+which a caller could do once at load time), the kernel, the split-K sum / transpose fusion.
+
+Status: NOT RUN ON A GPU. Checked on CPU (jax 0.12.0.1 and 0.11.2): interpret mode with race
+detection against :func:`skinny_gemm_reference` and cross-lowering for CUDA at the Ling shapes,
+M in {1, 9, 16} (tests/test_pallas_skinny_gemm.py). Not checked: ptxas (registers, spills), correctness on the
+GPU, speed. Per tile the (fp8) dequantisation, the WGMMA and its wait run back to back; only the
+TMA loads are pipelined. No persistent / stream-K schedule: wave quantisation is handled only by
+split_k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["MAX_M", "BLOCK", "SkinnyConfig", "skinny_gemm_config", "skinny_gemm_pallas",
+           "skinny_gemm_reference", "weight_bytes"]
+
+MAX_M = 16            # tokens per call (decode or a speculative verify block)
+BLOCK = 128           # K tile = fp8 scale block (both dims)
+N_SMS = 132           # H200
+MIN_K_TILES = 4       # default split_k keeps at least this many K tiles per program
+SMEM_TARGET = 110 * 1024   # default stages: fit two programs per SM (227 KiB)
+_BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
+X_TOP_EXP = 15        # fp8 path: each token row is scaled by a power of two to max|x| in [2**14, 2**15)
+_WG = plgpu.Layout.WGMMA
+
+
+@dataclasses.dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int      # output columns per program (WGMMA rows)
+    split_k: int      # programs along K (partial sums added in XLA)
+    stages: int       # TMA pipeline buffers
+    m_pad: int        # tokens padded to the WGMMA N (8 or 16)
+    smem_bytes: int   # SMEM of the pipeline scope (the output tile reuses it afterwards)
+
+
+def _swizzled(minor_elems: int, itemsize: int):
+    """Tiling + swizzle transforms for a WGMMA operand whose rows hold `minor_elems` elements."""
+    sw = min(128, minor_elems * itemsize)
+    return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
+
+
+def _store(ref, x):
+    if hasattr(plgpu, "store"):          # jax >= 0.12
+        plgpu.store(ref, x, optimized=False)
+    else:                                # jax 0.11: `ref[...] =` falls back when needed
+        ref[...] = x
+
+
+def _smem_bytes(block_n, stages, m_pad, fp8, n_kblocks):
+    w_tile = BLOCK * block_n * (1 if fp8 else 2)
+    x_tile = m_pad * BLOCK * 2
+    extra = (BLOCK * block_n * 2 + 4 * n_kblocks) if fp8 else 0   # dequantised tile + scales
+    return stages * (w_tile + x_tile) + extra
+
+
+def skinny_gemm_config(M: int, K: int, N: int, fp8: bool, *, block_n=None, split_k=None,
+                       stages=None) -> SkinnyConfig:
+    """The tiling `skinny_gemm_pallas` uses for these shapes (None = the default heuristic)."""
+    m_pad = 8 if M <= 8 else MAX_M
+    nk = K // BLOCK
+    if block_n is None:
+        block_n = 128 if N % 128 == 0 and N // 128 >= N_SMS else 64
+    nt = N // block_n
+    if split_k is None:
+        divs = [s for s in range(1, nk + 1) if nk % s == 0 and nk // s >= MIN_K_TILES] or [1]
+        full = [s for s in divs if nt * s >= 2 * N_SMS]
+        split_k = full[0] if full else divs[-1]
+    if stages is None:
+        per = _smem_bytes(block_n, 1, m_pad, fp8, 0) - (BLOCK * block_n * 2 if fp8 else 0)
+        fixed = _smem_bytes(block_n, 0, m_pad, fp8, nk)
+        stages = max(2, min(8, (SMEM_TARGET - fixed) // per))
+    stages = max(1, min(stages, nk // split_k))   # emit_pipeline shrinks it the same way
+    return SkinnyConfig(block_n, split_k, stages, m_pad, _smem_bytes(block_n, stages, m_pad, fp8, nk))
+
+
+def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret):
+    """xp [m_pad, K] bf16 (f16 for fp8 w), w [K, N], s_t [N/128 blocks, K/128 (+pad)] f32 or None
+    -> part [split_k, N, m_pad] part_dtype."""
+    K, N = w.shape
+    fp8 = s_t is not None
+    bn, S, mp = cfg.block_n, cfg.split_k, cfg.m_pad
+    kps = K // BLOCK // S                                   # K tiles per program
+    ks = kps * BLOCK
+    x_tf = _swizzled(BLOCK, 2)
+    w_tf = _swizzled(bn, 2)
+    specs = [plgpu.BlockSpec((BLOCK, bn), lambda i: (i, 0), transforms=_swizzled(bn, 1) if fp8 else w_tf),
+             plgpu.BlockSpec((mp, BLOCK), lambda i: (0, i), transforms=x_tf)]
+
+    def store_out(y, part_g, j, s):
+        def scoped(o_s):
+            _store(o_s, y.astype(part_dtype))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, part_g.at[s, pl.ds(j * bn, bn)])
+            plgpu.wait_smem_to_gmem(0)
+        pl.run_scoped(scoped, plgpu.SMEM((bn, mp), part_dtype))
+
+    def operands(w_g, x_g, j, s):
+        return (w_g.at[pl.ds(s * ks, ks), pl.ds(j * bn, bn)], x_g.at[:, pl.ds(s * ks, ks)])
+
+    def body_bf16(x_g, w_g, part_g):
+        j, s = lax.axis_index("n"), lax.axis_index("k")
+
+        def scoped(acc):
+            def step(_, w_s, x_s):
+                plgpu.wgmma(acc, w_s.T, x_s.T)
+                plgpu.wgmma_wait(0)
+
+            plgpu.emit_pipeline(step, grid=(kps,), in_specs=specs,
+                                max_concurrent_steps=cfg.stages)(*operands(w_g, x_g, j, s))
+            return acc[...]
+
+        store_out(pl.run_scoped(scoped, plgpu.ACC((bn, mp), _F32)), part_g, j, s)
+
+    def body_fp8(x_g, w_g, s_g, part_g):
+        j, s = lax.axis_index("n"), lax.axis_index("k")
+
+        def scoped(wb_s, s_s, bar):
+            # this column block's scales; waited for in the first step, so that this load
+            # overlaps the pipeline's first weight loads
+            plgpu.copy_gmem_to_smem(s_g.at[(j * bn) // BLOCK], s_s, bar.at[0])
+
+            def step(idxs, w8_s, x_s, carry):
+                (i,) = idxs
+                v = plgpu.load(w8_s, layout=_WG)                # fp8 [128, bn]
+                wb_s[...] = v.astype(_F16)                      # exact, one cvt per 2 values
+                plgpu.commit_smem()
+
+                def mma(acc):
+                    plgpu.wgmma(acc, wb_s.T, x_s.T)
+                    plgpu.wgmma_wait(0)
+                    return acc[...]
+
+                p = pl.run_scoped(mma, plgpu.ACC((bn, mp), _F32))
+                pl.when(i == 0)(lambda: plgpu.barrier_wait(bar.at[0]))
+                return carry + p * s_s[s * kps + i]
+
+            zero = plgpu.layout_cast(jnp.zeros((bn, mp), _F32), _WG)
+            return plgpu.emit_pipeline(step, grid=(kps,), in_specs=specs,
+                                       max_concurrent_steps=cfg.stages,
+                                       init_carry=zero)(*operands(w_g, x_g, j, s))
+
+        y = pl.run_scoped(scoped, plgpu.SMEM((BLOCK, bn), _F16, transforms=w_tf),
+                          plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1))
+        store_out(y, part_g, j, s)
+
+    kernel = plgpu.kernel(
+        body_fp8 if fp8 else body_bf16,
+        out_type=jax.ShapeDtypeStruct((S, N, mp), part_dtype),
+        grid=(N // bn, S),
+        grid_names=("n", "k"),
+        interpret=interpret if interpret else None,
+    )
+    return kernel(xp, w, s_t) if fp8 else kernel(xp, w)
+
+
+def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=None,
+                       interpret=False, out_dtype=None):
+    """y [M, N] = x [M, K] @ w [K, N] (w bf16, or fp8 e4m3 dequantised with `scale`); see the
+    module docstring. ``block_n``/``split_k``/``stages``: tiling overrides (None = default, see
+    :func:`skinny_gemm_config`). ``interpret``: False (compile for the GPU) or a
+    ``plgpu.InterpretGPUParams``. ``out_dtype``: default x.dtype (float32 for lm_head logits).
+    """
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"x {x.shape} and w {w.shape} must be 2-D: [M, K] and [K, N] (reshape fused "
+                         "weights to [K, N] first)")
+    M, K = x.shape
+    K2, N = w.shape
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if K2 != K:
+        raise ValueError(f"x {x.shape} and w {w.shape} disagree on K")
+    if not 1 <= M <= MAX_M:
+        raise ValueError(f"M={M} tokens must be in 1..{MAX_M}; use x @ w (XLA) for prefill-sized M")
+    fp8 = w.dtype == _FP8
+    if w.dtype not in (_BF, _FP8):
+        raise ValueError(f"w must be bfloat16 or float8_e4m3fn, got {w.dtype}; cast it once at load time")
+    if fp8 and scale is None:
+        raise ValueError("fp8 weights need scale= [K/128, ceil(N/128)] float32 (Fp8Weight.scale_inv)")
+    if not fp8 and scale is not None:
+        raise ValueError("scale= is only for float8_e4m3fn weights; got bfloat16 weights")
+    if K % BLOCK:
+        raise ValueError(f"K={K} must be a multiple of {BLOCK} (the K tile / fp8 scale block): pad w's "
+                         "rows and x's columns with zeros once at load time")
+    if N % 64:
+        raise ValueError(f"N={N} must be a multiple of 64 (the smallest WGMMA tile): pad w's columns "
+                         "with zeros once at load time and slice the output")
+    allowed = (64, 128) if fp8 else (64, 128, 256)
+    if block_n is not None and (block_n not in allowed or N % block_n):
+        raise ValueError(f"block_n={block_n} must be one of {allowed} (one fp8 scale block per tile) "
+                         f"and divide N={N}")
+    nk = K // BLOCK
+    if split_k is not None and (split_k < 1 or nk % split_k):
+        raise ValueError(f"split_k={split_k} must divide K/{BLOCK}={nk}")
+    if stages is not None and stages < 1:
+        raise ValueError(f"stages={stages} must be >= 1")
+    nb = -(-N // BLOCK)
+    if fp8 and tuple(scale.shape) != (nk, nb):
+        raise ValueError(f"scale {tuple(scale.shape)} must be [K/128, ceil(N/128)] = {(nk, nb)} "
+                         "(one float32 per 128 x 128 block of w)")
+    cfg = skinny_gemm_config(M, K, N, fp8, block_n=block_n, split_k=split_k, stages=stages)
+
+    xb = x.astype(_BF)
+    s_t = None
+    if fp8:
+        # f16 operands (sm_90 converts e4m3 -> f16 in hardware, not -> bf16): each token row is
+        # scaled by 2**(X_TOP_EXP - e), e = exponent of its max |x|, so the bf16 values land in
+        # f16's normal range exactly (entries below ~2**-28 * max|x| lose bits); undone below.
+        xf = xb.astype(_F32)
+        _, e = jnp.frexp(jnp.max(jnp.abs(xf), axis=1))                 # [M] int
+        e = jnp.where(jnp.isfinite(xf).all(axis=1), e, 0)
+        xs = jnp.ldexp(xf, (X_TOP_EXP - e)[:, None]).astype(_F16)
+        xp = jnp.zeros((cfg.m_pad, K), _F16).at[:M].set(xs)
+        # scales as [N blocks, K blocks]: a program's scales are one row, padded to 16 bytes
+        s_t = jnp.swapaxes(scale.astype(_F32), 0, 1)
+        s_t = jnp.pad(s_t, ((0, 0), (0, -nk % 4))) if nk % 4 else s_t
+    else:
+        xp = jnp.zeros((cfg.m_pad, K), _BF).at[:M].set(xb)
+    part_dtype = _F32 if cfg.split_k > 1 or fp8 else out_dtype
+    part = _kernel_call(xp, w, s_t, cfg, part_dtype, interpret)          # [S, N, m_pad]
+    y = (part[0] if cfg.split_k == 1 else part.sum(0))[:, :M].T          # [M, N]
+    if fp8:
+        y = jnp.ldexp(y, (e - X_TOP_EXP)[:, None])
+    return y.astype(out_dtype)
+
+
+def skinny_gemm_reference(x, w, scale=None):
+    """float32 x @ dequantise(w) (XLA): the exact product the kernel approximates."""
+    if scale is not None:
+        from lingjax.param_layout import Matrix
+        from lingjax.quant import dequantize
+        w = dequantize(w, scale, Matrix((), (0,), (1,)), (BLOCK, BLOCK), _F32)
+    return jnp.dot(x.astype(_F32), w.astype(_F32), precision=lax.Precision.HIGHEST)
+
+
+def weight_bytes(K: int, N: int, dtype=_BF) -> int:
+    """HBM bytes of w (+ float32 block scales for fp8) one call reads."""
+    if jnp.dtype(dtype) == _FP8:
+        return K * N + math.ceil(K / BLOCK) * math.ceil(N / BLOCK) * 4
+    return K * N * jnp.dtype(dtype).itemsize

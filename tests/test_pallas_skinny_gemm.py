@@ -1,0 +1,213 @@
+"""Tests for the skinny GEMM kernel (pallas_kernels/skinny_gemm.py), M = 1..16 tokens.
+
+On CPU: (1) Mosaic GPU interpret mode with race detection vs the float32 XLA reference
+(x @ dequantised w) at small shapes, bf16 and block-fp8 weights: M in {1, 5, 9, 16}, several
+column tiles and K splits, N not a multiple of 128 (block_n 64, a partial last scale block),
+power-of-two block scales (so the comparison is tight), an analytic check that each 128 x 128
+block gets its own scale, token rows of very different magnitudes (the fp8 path's f16 operands);
+(2) bad inputs; (3) cross-lowering for CUDA (sm_90a) at the Ling shapes. On a GPU
+(``JAX_PLATFORMS=cuda``; skipped elsewhere): the compiled kernel at the Ling shapes vs the
+reference. Speed: bench/skinny_gemm_timing.py.
+"""
+
+import jax
+
+jax.config.update("jax_enable_x64", True)  # process-global (conftest): tests pass dtypes explicitly
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+
+from lingjax.quant import FP8  # noqa: E402
+from pallas_kernels.skinny_gemm import (skinny_gemm_config, skinny_gemm_pallas,  # noqa: E402
+                                        skinny_gemm_reference, weight_bytes)
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+INTERPRET = plgpu.InterpretGPUParams(detect_races=True)  # jax 0.12: races raise (on_race="raise")
+RACES_RAISE = "on_race" in getattr(plgpu.InterpretGPUParams, "__dataclass_fields__", {})
+ON_GPU = jax.default_backend() == "gpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (run with JAX_PLATFORMS=cuda)")
+# (K, N): KDA fused q/k/v/f/g input projection, KDA o_proj, lm_head
+LING_SHAPES = [(2560, 20480), (4096, 2560), (2560, 157184)]
+
+
+def _assert_no_race_flagged():
+    if not RACES_RAISE:          # jax 0.11.2: a race is printed and flagged in private state
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+        assert not gpu_callbacks.get_races().races_found, "interpret mode detected a race"
+
+
+def _weights(K, N, fp8, seed=0):
+    """bf16 normal weights, or fp8 values in +-~8 with scales 2**-12..2**-4 per 128 x 128 block
+    (a block read with another block's scale is off by up to 256x)."""
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    if not fp8:
+        return jax.random.normal(k1, (K, N), F32).astype(BF16), None
+    v = (2.0 * jax.random.normal(k1, (K, N), F32)).astype(FP8)
+    s = 2.0 ** jax.random.randint(k2, (K // 128, -(-N // 128)), -12, -4).astype(F32)
+    return v, s
+
+
+def _x(M, K, seed=0):
+    return jax.random.normal(jax.random.PRNGKey(100 + seed), (M, K), F32).astype(BF16)
+
+
+def _check(out, ref, tol):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+# (M, K, N, fp8, tiling overrides): small shapes; K = 256/384 is 2/3 scale blocks
+CASES = [
+    (1, 256, 128, False, {}),
+    (9, 256, 256, False, dict(block_n=128, split_k=2)),
+    (16, 384, 128, False, dict(block_n=64, stages=2)),
+    (3, 256, 256, False, dict(block_n=256)),
+    (1, 256, 256, True, {}),                                  # block_n 64: 2 programs per scale block
+    (9, 384, 256, True, dict(block_n=128, split_k=3)),
+    (16, 256, 192, True, {}),                                 # N = 1.5 scale blocks
+    (8, 256, 128, True, dict(stages=1)),
+]
+
+
+@pytest.mark.parametrize("M,K,N,fp8,kw", CASES)
+def test_interpret_matches_reference(M, K, N, fp8, kw):
+    w, s = _weights(K, N, fp8, seed=M + K + N)
+    x = _x(M, K, seed=M)
+    out = jax.block_until_ready(skinny_gemm_pallas(x, w, s, interpret=INTERPRET, out_dtype=F32, **kw))
+    _assert_no_race_flagged()
+    assert out.shape == (M, N) and out.dtype == F32
+    _check(out, skinny_gemm_reference(x, w, s), 1e-5)      # float32 accumulation, exact operands
+
+
+def test_interpret_default_out_dtype_is_x_dtype():
+    w, s = _weights(256, 128, True, seed=3)
+    x = _x(2, 256)
+    out = skinny_gemm_pallas(x, w, s, interpret=INTERPRET)
+    assert out.dtype == BF16 and out.shape == (2, 128)
+    _check(out, skinny_gemm_reference(x, w, s), 1e-2)
+
+
+def test_interpret_each_block_gets_its_own_scale():
+    """w = 1, x = 1, scale[kb, nb] = 2**(kb + 3 nb): y[:, n] = 128 * sum_kb scale[kb, n // 128]."""
+    K, N = 384, 256
+    w = jnp.ones((K, N), FP8)
+    kb, nb = np.meshgrid(np.arange(K // 128), np.arange(N // 128), indexing="ij")
+    s = jnp.asarray(2.0 ** (kb + 3 * nb), F32)
+    expect = 128 * np.repeat((2.0 ** (kb + 3 * nb)).sum(0), 128)
+    for kw in ({}, dict(block_n=128, split_k=3)):
+        out = skinny_gemm_pallas(jnp.ones((2, K), BF16), w, s, interpret=INTERPRET, out_dtype=F32, **kw)
+        np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(expect, (2, N)))
+
+
+def test_interpret_fp8_rows_of_different_magnitudes():
+    """fp8 weights run on f16 operands with each token row scaled by a power of two: tiny, huge
+    (beyond f16's range) and all-zero rows keep their bf16 precision."""
+    K, N = 256, 128
+    w, s = _weights(K, N, True, seed=7)
+    mags = jnp.asarray([1e-30, 1e-6, 1.0, 3e4, 1e30, 0.0], F32)[:, None]
+    x = (_x(6, K, seed=7).astype(F32) * mags).astype(BF16)
+    out = np.asarray(skinny_gemm_pallas(x, w, s, interpret=INTERPRET, out_dtype=F32), np.float64)
+    ref = np.asarray(skinny_gemm_reference(x, w, s), np.float64)
+    assert np.isfinite(out).all() and not out[5].any()
+    for r in range(5):
+        np.testing.assert_allclose(out[r], ref[r], rtol=1e-5, atol=1e-5 * np.abs(ref[r]).max())
+
+
+def test_rejects_bad_inputs():
+    w, s = _weights(256, 128, True)
+    wb, _ = _weights(256, 128, False)
+    x = _x(2, 256)
+    bad = [
+        (dict(x=_x(17, 256), w=wb), "M=17"),
+        (dict(x=_x(2, 192), w=wb[:192]), "K=192 must be a multiple of 128"),
+        (dict(x=x, w=wb[:, :96]), "N=96 must be a multiple of 64"),
+        (dict(x=x, w=wb[:128]), "disagree on K"),
+        (dict(x=x, w=wb.astype(F32)), "bfloat16 or float8_e4m3fn"),
+        (dict(x=x, w=w), "need scale="),
+        (dict(x=x, w=wb, scale=s), "only for float8_e4m3fn"),
+        (dict(x=x, w=w, scale=s[:1]), r"scale \(1, 1\) must be \[K/128, ceil\(N/128\)\]"),
+        (dict(x=x, w=w, scale=s, block_n=256), "block_n=256"),
+        (dict(x=x, w=wb, block_n=96), "block_n=96"),
+        (dict(x=x, w=wb, split_k=3), "split_k=3 must divide"),
+        (dict(x=x[0], w=wb), "must be 2-D"),
+    ]
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            skinny_gemm_pallas(interpret=INTERPRET, **kw)
+
+
+def test_weight_bytes():
+    assert weight_bytes(2560, 157184) == 2560 * 157184 * 2
+    assert weight_bytes(4096, 2560, FP8) == 4096 * 2560 + 32 * 20 * 4
+    assert weight_bytes(2560, 576, FP8) == 2560 * 576 + 20 * 5 * 4
+
+
+def test_default_config_at_ling_shapes():
+    """Enough programs for 132 SMs, two programs' SMEM per SM; K split only where columns are few."""
+    for fp8 in (False, True):
+        for M in (1, 9, 16):
+            lm = skinny_gemm_config(M, 2560, 157184, fp8)
+            assert (lm.block_n, lm.split_k, lm.m_pad) == (128, 1, 8 if M <= 8 else 16)
+            o = skinny_gemm_config(M, 4096, 2560, fp8)
+            assert (o.block_n, o.split_k) == (64, 8)
+            for K, N in LING_SHAPES:
+                c = skinny_gemm_config(M, K, N, fp8)
+                assert (N // c.block_n) * c.split_k >= 132 and c.stages >= 2
+                assert c.smem_bytes <= 110 * 1024
+
+
+def _abstract(M, K, N, fp8):
+    S = jax.ShapeDtypeStruct
+    if fp8:
+        return S((M, K), BF16), S((K, N), FP8), S((K // 128, -(-N // 128)), F32)
+    return S((M, K), BF16), S((K, N), BF16)
+
+
+# Cross-lowering runs the real Mosaic GPU lowering (layout inference, MLIR verification, SMEM
+# budget) on this CPU host. It does NOT run ptxas: registers, spills and speed need the H200.
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("K,N", LING_SHAPES + [(2560, 576)])
+@pytest.mark.parametrize("M", [1, 9, 16])
+def test_cross_lowers_for_cuda_ling_shape(M, K, N, fp8):
+    f = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32 if N > 100_000 else None))
+    text = f.trace(*_abstract(M, K, N, fp8)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+# ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
+@gpu_only
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("K,N", LING_SHAPES)
+@pytest.mark.parametrize("M", [1, 9, 16])
+def test_gpu_ling_shape_matches_reference(M, K, N, fp8):
+    w, s = _weights(K, N, fp8, seed=1)
+    x = _x(M, K, seed=M)
+    out = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32))(x, w, *(() if s is None else (s,)))
+    ref = jax.jit(skinny_gemm_reference)(x, w, s)
+    _check(out, ref, 1e-4)
+
+
+@gpu_only
+@pytest.mark.parametrize("kw", [dict(block_n=128, split_k=1), dict(block_n=64, split_k=4, stages=2),
+                                dict(block_n=256, stages=2)])
+def test_gpu_tiling_overrides(kw):
+    w, s = _weights(2560, 4096, False, seed=2)
+    x = _x(9, 2560, seed=2)
+    _check(skinny_gemm_pallas(x, w, s, out_dtype=F32, **kw), skinny_gemm_reference(x, w, s), 1e-4)
+
+
+def test_timing_entry_point_cpu_smoke(tmp_path):
+    """bench/skinny_gemm_timing.py end to end in interpret mode (tiny shape; times meaningless)."""
+    from bench.skinny_gemm_timing import main
+    rec = main(["--interpret", "--M", "9", "--shapes", "256x128", "--iters", "1", "--warmup", "1",
+                "--no-xla-defaults", "--out-dir", str(tmp_path)])
+    assert len(rec["results"]) == 2                            # bf16, fp8
+    for r in rec["results"]:
+        assert "kernel_error" not in r and "xla_error" not in r, r
+        assert r["finite"] and r["max_abs_err"] <= 1e-5 * r["ref_max"]
+        assert r["bytes"] == weight_bytes(256, 128, FP8 if r["dtype"] == "fp8" else BF16)
+        assert r["kernel_GBps"] > 0 and "kernel_pct_4p3" in r
+    assert len(list(tmp_path.glob("skinny_gemm_timing-*.json"))) == 1
