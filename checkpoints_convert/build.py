@@ -21,6 +21,7 @@ import math
 import ml_dtypes
 import numpy as np
 
+from checkpoints_convert.chunks import chunk_shape
 from checkpoints_convert.fp8 import FP8, dequantize, quantize_block_fp8
 from lingjax.param_layout import Matrix
 from checkpoints_convert.source import SourceReader
@@ -58,6 +59,19 @@ def _high_precision_dtype(mode: str, spec: ParamSpec, dtypes: list[np.dtype]) ->
 def stored_nbytes(meta: dict) -> int:
     n = math.prod(meta["shape"]) * np.dtype(_dtype(meta["dtype"])).itemsize
     return n + (4 * math.prod(meta["fp8"]["scale_shape"]) if "fp8" in meta else 0)
+
+
+def stored_chunks(spec: ParamSpec, meta: dict, chunk_bytes: int) -> dict[str, tuple[int, ...]]:
+    """{orbax key: chunk shape} of a parameter (checkpoints_convert.chunks). fp8 scales
+    [*stack, IN blocks, OUT blocks] keep the logical axes of the stack dimensions only, as the
+    model's `Fp8Weight.scale_inv` does."""
+    item = np.dtype(_dtype(meta["dtype"])).itemsize
+    out = {spec.key: chunk_shape(meta["shape"], item, spec.logical, chunk_bytes)}
+    if "fp8" in meta:
+        logical = None if spec.logical is None else (
+            tuple(spec.logical[a] for a in spec.layout.stack) + (None, None))
+        out[spec.key + SCALE_SUFFIX] = chunk_shape(meta["fp8"]["scale_shape"], 4, logical, chunk_bytes)
+    return out
 
 
 def build_param(spec: ParamSpec, sources: list[Source], reader: SourceReader, meta: dict,

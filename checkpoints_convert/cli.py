@@ -60,7 +60,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--part-size", type=_mib, default=1 << 30, metavar="MIB",
                    help="max MiB per part (a unit of writing and resuming; default 1024)")
     p.add_argument("--chunk-size", type=_mib, default=64 << 20, metavar="MIB",
-                   help="max MiB per stored chunk (sharded reads fetch whole chunks; default 64)")
+                   help="max MiB per stored chunk (default 64). Sharded reads fetch whole chunks; axes the "
+                   "partition rules may shard are also cut into up to 8 equal slabs so that each device reads "
+                   "only its shard (checkpoints_convert/chunks.py)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import orbax.checkpoint
 
-from checkpoints_convert.build import build_param, plan_param, stored_nbytes
+from checkpoints_convert import chunks
+from checkpoints_convert.build import build_param, plan_param, stored_chunks, stored_nbytes
 from checkpoints_convert.outdir import OutDir, sizes, write_json
 from checkpoints_convert.parts import plan_parts, save_part
 from checkpoints_convert.progress import Progress, human_bytes
@@ -154,7 +155,7 @@ def _convert(opts: Options, src: Input) -> str:
         "default_dtype": _default_dtype(opts.dtype, src.specs, metas), "fp8_block": list(src.fp8_block),
         "with_mtp": src.with_mtp, "fingerprint": fingerprint, "source": source_info,
         "converter": {"orbax_checkpoint": orbax.checkpoint.__version__, "part_bytes": opts.part_bytes,
-                      "chunk_bytes": opts.chunk_bytes},
+                      "chunk_bytes": opts.chunk_bytes, "chunk_rule": chunks.RULE},
         "params": {s.key: {**metas[s.path], "part": p.name} for p in parts for s in p.specs},
         "parts": {p.name: done[p.name] for p in parts}, "files": files,
     }
@@ -203,12 +204,13 @@ def _write_parts(opts, src: Input, check, metas, parts, out: OutDir, fingerprint
                         done_bytes=sum(b_src[p] for p in skipped), done_tensors=sum(n_src[p] for p in skipped))
     try:
         for part in todo:
-            arrays = {}
+            arrays, chunk_shapes = {}, {}
             for spec in part.specs:
                 arrays.update(build_param(spec, check.sources[spec.path], src.reader, metas[spec.path],
                                           src.fp8_block))
+                chunk_shapes.update(stored_chunks(spec, metas[spec.path], opts.chunk_bytes))
                 progress.advance(b_src[spec.path], n_src[spec.path])
-            done[part.name] = save_part(out.params / part.name, arrays, opts.chunk_bytes)
+            done[part.name] = save_part(out.params / part.name, arrays, chunk_shapes)
             del arrays
             out.save_progress(fingerprint, done)
     finally:

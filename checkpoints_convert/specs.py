@@ -14,6 +14,7 @@ from flax import nnx
 from lingjax.param_layout import (DRAFT_HIGH_PRECISION, DRAFT_LAYOUTS, LING_HIGH_PRECISION, Conv,
                                         Matrix, Vector, ling_layout)
 from lingjax.checkpoint import param_key
+from lingjax.sharding import variable_logical
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,14 +27,15 @@ class ParamSpec:
     layout: Matrix | Vector | Conv
     quantisable: bool                    # may be stored as block fp8
     group: str                           # parts never mix groups: 'top', 'layers.3', 'mtp'
+    logical: tuple | None                # the parameter's logical axis names (lingjax.sharding)
 
     @property
     def key(self) -> str:
         return param_key(self.path)
 
 
-def _abstract_params(module) -> dict[tuple, jnp.ndarray]:
-    return {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(module))}
+def _abstract_params(module) -> dict[tuple, nnx.Variable]:
+    return dict(nnx.to_flat_state(nnx.state(module)))
 
 
 def _group(path: tuple) -> str:
@@ -51,10 +53,11 @@ def ling_specs(cfg, with_mtp: bool) -> list[ParamSpec]:
         raise RuntimeError(f"plan_for and LingModel disagree: {sorted(set(plans) ^ set(params))[:5]}")
     specs = []
     for path, plan in plans.items():
-        v = params[path]
+        v = params[path].get_value()
         layout = ling_layout(path, v.shape)
         specs.append(ParamSpec(path, plan.sources, plan.build, tuple(v.shape), v.dtype == jnp.float32, layout,
-                               isinstance(layout, Matrix) and path[-1] not in LING_HIGH_PRECISION, _group(path)))
+                               isinstance(layout, Matrix) and path[-1] not in LING_HIGH_PRECISION, _group(path),
+                               variable_logical(params[path])))
     return specs
 
 
@@ -67,5 +70,6 @@ def draft_specs(cfg) -> list[ParamSpec]:
         v, layout, path = var.get_value(), DRAFT_LAYOUTS[how], paths[id(var)]
         specs.append(ParamSpec(path, (name,), functools.partial(layout.build, tuple(v.shape)), tuple(v.shape),
                                v.dtype == jnp.float32, layout,
-                               isinstance(layout, Matrix) and name not in DRAFT_HIGH_PRECISION, _group(path)))
+                               isinstance(layout, Matrix) and name not in DRAFT_HIGH_PRECISION, _group(path),
+                               variable_logical(var)))
     return specs

@@ -11,7 +11,11 @@ Layout of a converted checkpoint directory (format `lingjax-converted`, version 
                       keyed by the dotted parameter path, e.g. `layers.3.attn.kv_b`
 
 Arrays are stored in the model's own layout (`lingjax.weights.plan_for`: [in, out], fused, stacked)
-and chunked, so a restore with target shardings reads only each device's shard.
+and chunked along the axes the partition rules shard (`checkpoints_convert/chunks.py`: a 1-, 2-, 4-
+or 8-way shard of any array over 1 MiB per shard starts and ends on chunk boundaries), so a restore
+with target shardings reads only each device's shard. The reader takes any chunking (it is in each
+array's zarr metadata): checkpoints written with other chunk shapes restore the same values, each
+device reading the whole chunks its shard touches.
 
 FP8 parameters store `key` (float8_e4m3fn values, same shape as the parameter) and
 `key_scale_inv` (float32). The scales follow the parameter's *matrix view*, recorded in the

@@ -48,14 +48,16 @@ def golden_pair():
     return load_hf_model(LING_TINY, dtype=DT), from_safetensors(DSPARK_TINY, dtype=DT)
 
 
+# 4 heads / 4 kv heads everywhere so tp=4 divides every sharded dim; 2 layers (fast compile).
+RANDOM_4HEAD = dict(num_hidden_layers=2, layer_group_size=2, first_k_dense_replace=1, vocab_size=64,
+                    hidden_size=64, intermediate_size=64, num_experts=4, n_group=2, topk_group=1,
+                    num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
+                    num_attention_heads=4, num_key_value_heads=4, head_dim=16, kv_lora_rank=16,
+                    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+
+
 def random_pair():
-    """4 heads / 4 kv heads everywhere so tp=4 divides every sharded dim; 2 layers (fast compile)."""
-    cfg = tiny_config(num_hidden_layers=2, layer_group_size=2, first_k_dense_replace=1, vocab_size=64,
-                      hidden_size=64, intermediate_size=64, num_experts=4, n_group=2, topk_group=1,
-                      num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
-                      num_attention_heads=4, num_key_value_heads=4, head_dim=16, kv_lora_rank=16,
-                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    model = random_model(cfg, DT, seed=3, with_mtp=False)
+    model = random_model(tiny_config(**RANDOM_4HEAD), DT, seed=3, with_mtp=False)
     dc = DSparkConfig.from_dict(dict(
         hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
         intermediate_size=64, vocab_size=64, block_size=8, mask_token_id=63, target_layer_ids=[0, 1],
@@ -300,33 +302,84 @@ class ShardReads:
 # 4 KiB chunks: the tiny model's largest arrays (256-512 KiB) then span 64-128 chunks, as Flash's
 # experts (2-4 GiB) do at the converter's default 64 MiB.
 RESTORE_CHUNK_MIB = "0.00390625"
+RESTORE_MESHES = [(2, 1), (1, 2), (2, 2)]           # (tp, ep) on the golden model; tp=4 on RANDOM_4HEAD
+
+
+def random_4head_checkpoint(d: Path) -> Path:
+    """An HF checkpoint of the RANDOM_4HEAD config (random float32 tensors): golden has only 2 heads."""
+    from checkpoints_convert.specs import ling_specs
+    from lingjax.config import LingConfig
+    from lingjax.safetensors_io import write_safetensors
+    raw = json.loads((LING_TINY / "config.json").read_text()) | RANDOM_4HEAD | {"num_nextn_predict_layers": 0}
+    rng = np.random.default_rng(7)
+    tensors = {name: (0.1 * rng.standard_normal(spec.layout.source_shape(spec.shape))).astype(np.float32)
+               for spec in ling_specs(LingConfig.from_dict(raw), with_mtp=False) for name in spec.sources}
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(raw))
+    write_safetensors(d / "model.safetensors", tensors)
+    return d
+
+
+def rechunk_size_only(d: Path, chunk_bytes: int) -> None:
+    """Rewrite every array of converted checkpoint `d` in place, chunked by size alone (largest
+    extents split first, heads never): the layout of checkpoints converted before chunks.py."""
+    import shutil
+    import tensorstore as ts
+    from checkpoints_convert.chunks import chunk_shape
+    for zarray in sorted(d.glob("params/*/*/.zarray")):
+        spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(zarray.parent)}}
+        data = ts.open(spec).result().read().result()
+        meta = json.loads(zarray.read_text())
+        meta["chunks"] = list(chunk_shape(meta["shape"], data.dtype.itemsize, None, chunk_bytes))
+        shutil.rmtree(zarray.parent)
+        ts.open({**spec, "metadata": meta}, create=True).result().write(data).result()
+
+
+def restored_reads(d: Path, tp: int, ep: int, fp8: bool, ref: dict | None) -> dict:
+    """Restore converted checkpoint `d` onto a tp x ep mesh: bytes each device read per array, the
+    arrays' specs, and (with `ref`, {key: array}) the keys whose restored values differ."""
+    from lingjax.checkpoint import abstract_model, load_converted
+    t0 = time.time()
+    mesh = sharding.make_mesh(tp, ep, jax.devices()[: tp * ep])
+    shardings = sharding.param_shardings(abstract_model(d, DT, fp8_weights=fp8), mesh)
+    with ShardReads() as counter:
+        model = load_converted(d, DT, shardings=shardings, fp8_weights=fp8)
+    params = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+    r = dict(arrays=counter.per_array(), specs={k: str(a.sharding.spec) for k, a in params.items()})
+    if ref is not None:
+        r["value_mismatch"] = [k for k, a in params.items() if not np.array_equal(np.asarray(a), ref[k])]
+    r["s"] = time.time() - t0
+    return r
 
 
 def restore():
-    """Convert the golden checkpoint (float32 and fp8), restore each onto a 2x2 mesh, count the bytes
-    each device reads, and compare the restored float32 values with the HF loader's."""
+    """Convert the golden checkpoint (float32 and fp8) and restore it onto the meshes RESTORE_MESHES,
+    a random 4-head checkpoint onto tp=4, and the float32 one rechunked the old way (size only) onto
+    2x2: bytes each device reads, and the restored float32 values against the HF loader's."""
     from checkpoints_convert import main as convert
-    from lingjax.checkpoint import abstract_model, load_converted
-    mesh = sharding.make_mesh(2, 2)
-    ref = {".".join(map(str, p)): np.asarray(v.get_value())
-           for p, v in nnx.to_flat_state(nnx.state(load_hf_model(LING_TINY, dtype=DT)))}
+    chunk_bytes = int(float(RESTORE_CHUNK_MIB) * (1 << 20))
+
+    def ref_params(src):
+        return {".".join(map(str, p)): np.asarray(v.get_value())
+                for p, v in nnx.to_flat_state(nnx.state(load_hf_model(src, dtype=DT)))}
+
+    def converted(src, d, *flags):
+        assert convert([str(src), str(d), "-q", "--chunk-size", RESTORE_CHUNK_MIB, *flags]) == 0
+        return d
     out = {}
     with tempfile.TemporaryDirectory() as work:
+        work = Path(work)
+        ref = ref_params(LING_TINY)
         for name, flags, fp8 in (("float32", ["--dtype", "float32"], False),
                                  ("fp8", ["--dtype", "fp8", "--fp8-block", "32"], True)):
-            t0 = time.time()
-            d = Path(work) / name
-            rc = convert([str(LING_TINY), str(d), "-q", "--chunk-size", RESTORE_CHUNK_MIB, *flags])
-            assert rc == 0, rc
-            shardings = sharding.param_shardings(abstract_model(d, DT, fp8_weights=fp8), mesh)
-            with ShardReads() as counter:
-                model = load_converted(d, DT, shardings=shardings, fp8_weights=fp8)
-            params = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
-            r = dict(arrays=counter.per_array(), s=time.time() - t0,
-                     specs={k: str(a.sharding.spec) for k, a in params.items()})
-            if not fp8:
-                r["value_mismatch"] = [k for k, a in params.items() if not np.array_equal(np.asarray(a), ref[k])]
-            out[name] = r
+            d = converted(LING_TINY, work / name, *flags)
+            out[name] = {f"{tp}x{ep}": restored_reads(d, tp, ep, fp8, None if fp8 else ref)
+                         for tp, ep in RESTORE_MESHES}
+        src4 = random_4head_checkpoint(work / "hf-4head")
+        d = converted(src4, work / "float32-4head", "--dtype", "float32")
+        out["float32"]["4x1"] = restored_reads(d, 4, 1, False, ref_params(src4))
+        rechunk_size_only(work / "float32", chunk_bytes)
+        out["old_chunks"] = {"2x2": restored_reads(work / "float32", 2, 2, False, ref)}
     return out
 
 

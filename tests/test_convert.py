@@ -288,6 +288,72 @@ def test_draft_with_model_prefix(work, capsys):
     assert rc == 1 and "--draft" in err
 
 
+# ---- chunk shapes -----------------------------------------------------------------------------------
+MIB = 1 << 20
+FLASH_ARRAYS = [  # Ling-3.0-flash parameters: shape, logical axes
+    ((2560, 5, 32, 128), ("embed", None, "heads", "head_dim")),      # KDA w_in
+    ((32, 128, 2560), ("heads", "head_dim", "embed")),               # KDA w_out
+    ((2560, 32), ("embed", "heads")),                                # w_beta (160 KiB in bf16)
+    ((32,), ("heads",)),                                             # A_log
+    ((512, 32, 256), (None, "heads", None)),                         # MLA kv_b
+    ((512, 2560, 2, 768), ("experts", "embed", None, "mlp")),        # routed experts w_gate_up
+    ((512, 768, 2560), ("experts", "mlp", "embed")),                 # routed experts w_down
+    ((157184, 2560), ("vocab", "embed")),                            # embed
+    ((2560, 157184), ("embed", "vocab")),                            # lm_head
+    ((6144, 2560), ("mlp", "embed")),                                # dense w_down
+]
+
+
+def test_chunk_shapes_documented_examples():
+    from checkpoints_convert.chunks import chunk_shape
+    assert chunk_shape((2560, 5, 32, 128), 2, FLASH_ARRAYS[0][1], 64 * MIB) == (2560, 5, 4, 128)
+    assert chunk_shape((512, 2560, 2, 768), 2, FLASH_ARRAYS[5][1], 64 * MIB) == (64, 2560, 2, 96)
+    assert chunk_shape((157184, 2560), 2, ("vocab", "embed"), 64 * MIB) == (9824, 2560)
+    assert chunk_shape((2560, 32), 2, ("embed", "heads"), 64 * MIB) == (2560, 32)    # small: read whole
+    assert chunk_shape((32,), 4, ("heads",), 64 * MIB) == (32,)
+    assert chunk_shape((512, 32, 256), 2, (None, "heads", None), 64 * MIB) == (512, 4, 256)  # 1 MiB slabs
+    assert chunk_shape((2560, 5, 32, 128), 2, None, 64 * MIB) == (1280, 5, 32, 128)  # size only
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4])
+@pytest.mark.parametrize("budget", [4 << 10, 1 * MIB, 64 * MIB])
+def test_chunk_shapes_align_with_every_supported_shard(itemsize, budget):
+    """Extents divide the array; a chunk fits the budget; every 2-, 4-, 8-way shard of the (first)
+    sharded axis is whole chunks unless its slab of the array is under min(budget, 1 MiB)."""
+    from checkpoints_convert.chunks import MIN_SPLIT_BYTES, SHARDED_AXES, chunk_shape
+    for shape, logical in FLASH_ARRAYS + [((128, 5, 2, 64), ("embed", None, "heads", "head_dim")),
+                                          ((16, 128, 2, 32), ("experts", "embed", None, "mlp"))]:
+        chunk = chunk_shape(shape, itemsize, logical, budget)
+        assert all(n % c == 0 for n, c in zip(shape, chunk)), (shape, chunk)
+        assert math.prod(chunk) * itemsize <= budget, (shape, chunk)
+        axis = next(a for name in SHARDED_AXES for a, n in enumerate(logical) if n == name)
+        for m in (2, 4, 8):
+            if shape[axis] % m == 0:
+                aligned = (shape[axis] // m) % chunk[axis] == 0
+                assert aligned or math.prod(shape) * itemsize // m < min(budget, MIN_SPLIT_BYTES), (shape, chunk, m)
+
+
+def test_converted_arrays_have_the_planned_chunks(work):
+    """Every stored array's zarr chunks are those chunks.py plans for it (heads cut per head at 4 KiB)."""
+    from checkpoints_convert.build import plan_param, stored_chunks
+    from checkpoints_convert.specs import ling_specs
+    from lingjax.config import LingConfig
+    out = work / "out-chunks"
+    assert main([str(LING_TINY), str(out), "-q", "--dtype", "float32", "--chunk-size", "0.00390625"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["converter"]["chunk_rule"].startswith("sharded-axes")
+    n = 0
+    for spec in ling_specs(LingConfig.from_json(LING_TINY / "config.json"), with_mtp=True):
+        meta = plan_param(spec, ["F32"], "float32", (128, 128))
+        for key, chunk in stored_chunks(spec, meta, 4096).items():
+            zarray = json.loads((out / "params" / manifest["params"][spec.key]["part"] / key / ".zarray").read_text())
+            assert tuple(zarray["chunks"]) == chunk, key
+            n += 1
+    assert n == len(manifest["params"])
+    w_in = json.loads(next(out.glob("params/*/layers.0.attn.w_in/.zarray")).read_text())
+    assert w_in["shape"] == [128, 5, 2, 64] and w_in["chunks"][2] == 1
+
+
 # ---- resume, atomicity, existing output ---------------------------------------------------------------
 def _interrupt_after(monkeypatch, n: int, exc: BaseException):
     """Parts after the n-th fail mid-write: a half-written `<part>.tmp` is left behind, as a kill would."""

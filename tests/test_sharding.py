@@ -7,7 +7,8 @@ token-identical, params really sharded (spec + per-device shard shapes), the dec
 `state_shardings` after prefill and after the loop, and the collectives of one compiled decode step
 per block. tp=4 cannot divide the golden model's 2 heads: a clear error; the 4x1 mesh runs on a
 random 4-head config instead. Also: bytes each device reads in a sharded restore of a converted
-checkpoint, and a block-fp8 model on 2x2 (tokens, collectives).
+checkpoint (2x1, 1x2, 2x2; tp=4 on a random 4-head checkpoint; an old, size-only chunking), and a
+block-fp8 model on 2x2 (tokens, collectives).
 """
 from __future__ import annotations
 
@@ -206,43 +207,64 @@ def test_state_shardings_single_device():
 
 
 # ---- sharded restore: bytes read per device ----------------------------------------------------------
-def _restored(multi, name):
-    return multi["restore"][name]["arrays"]
+# tp x ep; the golden checkpoint (float32 and fp8) on 2x1, 1x2, 2x2, a random 4-head one (float32) on 4x1
+RESTORE = [("float32", m) for m in ("2x1", "1x2", "2x2", "4x1")] + [("fp8", m) for m in ("2x1", "1x2", "2x2")]
+HEADS_SHARDED = ("attn.w_in", "attn.w_out", "attn.q_proj", "attn.dense")
 
 
-@pytest.mark.parametrize("name", ["float32", "fp8"])
-def test_restore_reads_only_the_chunks_of_each_shard(multi, name):
-    """2x2 mesh, checkpoint chunked at 4 KiB: every device's reads are exactly the stored chunks its
-    own shard intersects (tensorstore's file byte counter, sampled around each shard read)."""
-    arrays = _restored(multi, name)
-    assert len(arrays) > 100
+def _restored(multi, name, mesh):
+    return multi["restore"][name][mesh]["arrays"]
+
+
+@pytest.mark.parametrize("name,mesh", RESTORE)
+def test_restore_reads_only_the_chunks_of_each_shard(multi, name, mesh):
+    """Checkpoint chunked at 4 KiB: every device's reads are exactly the stored chunks its own shard
+    intersects (tensorstore's file byte counter, sampled around each shard read)."""
+    tp, ep = (int(v) for v in mesh.split("x"))
+    arrays = _restored(multi, name, mesh)
+    assert len(arrays) > (20 if mesh == "4x1" else 100)
     for key, devices in arrays.items():
-        assert sorted(devices) == ["0", "1", "2", "3"], key
+        assert sorted(devices) == [str(i) for i in range(tp * ep)], key
         for d, r in devices.items():
             assert r["read"] == r["chunks"] >= r["shard"], (key, d, r)
+    if name == "float32":
+        assert multi["restore"][name][mesh]["value_mismatch"] == []
 
 
-def test_restore_big_params_read_only_their_shard(multi):
-    """Embedding, lm_head, dense MLPs and routed experts (chunks split along their sharded axes):
-    each device reads its shard's bytes, 1/2 (vocab over tp) or 1/4 (mlp over ep*tp) of the array."""
-    arrays = _restored(multi, "float32")
-    big = [k for k in arrays if k in ("embed", "lm_head") or k.endswith(("mlp.w_gate_up", "mlp.w_down"))]
-    assert len(big) == 2 + 2 * 9
-    for key in big:
+@pytest.mark.parametrize("name,mesh", RESTORE)
+def test_restore_big_params_read_only_their_shard(multi, name, mesh):
+    """Embedding, lm_head, dense MLPs and routed experts: each device reads exactly its shard, 1/tp
+    (vocab) or 1/(ep*tp) (mlp) of the array."""
+    tp, ep = (int(v) for v in mesh.split("x"))
+    arrays = _restored(multi, name, mesh)
+    split = {k: tp for k in ("embed", "lm_head")}
+    split.update({k: tp * ep for k in arrays if k.endswith(("mlp.w_gate_up", "mlp.w_down"))})
+    assert len(split) == 2 + 2 * (2 if mesh == "4x1" else 9)
+    for key, n in split.items():
         for d, r in arrays[key].items():
-            assert r["read"] == r["shard"] <= r["whole"] // 2, (key, d, r)
-    assert multi["restore"]["float32"]["value_mismatch"] == []
-    fp8_head = _restored(multi, "fp8")["lm_head"]          # kept in bf16 by the fp8 conversion
-    assert all(r["read"] == r["shard"] == r["whole"] // 2 for r in fp8_head.values())
+            assert r["read"] == r["shard"] == r["whole"] // n, (key, d, r)
 
 
-@pytest.mark.xfail(strict=True, reason="checkpoints_convert chunks by size only (largest axes first), so the "
-                   "heads axis is never split: each tp device reads every head's chunks (2x its shard)")
-def test_restore_heads_sharded_params_read_only_their_shard(multi):
-    arrays = _restored(multi, "float32")
-    for key in ("layers.0.attn.w_in", "layers.0.attn.w_out", "layers.3.attn.q_proj", "layers.3.attn.dense"):
+@pytest.mark.parametrize("name,mesh", RESTORE)
+def test_restore_heads_sharded_params_read_only_their_shard(multi, name, mesh):
+    """KDA and MLA projections sharded over their heads axis (tp): the converter cuts that axis into
+    per-shard chunks (checkpoints_convert/chunks.py), so each device reads 1/tp of the array."""
+    tp, _ = (int(v) for v in mesh.split("x"))
+    arrays = _restored(multi, name, mesh)
+    keys = [k for k in arrays if k.endswith(HEADS_SHARDED)]
+    assert {".".join(k.split(".")[-2:]) for k in keys} == set(HEADS_SHARDED)
+    for key in keys:
         for d, r in arrays[key].items():
-            assert r["read"] == r["shard"], (key, d, r)
+            assert r["read"] == r["shard"] == r["whole"] // tp, (key, d, r)
+
+
+def test_restore_old_chunking_same_values(multi):
+    """The float32 checkpoint rechunked by size alone, as checkpoints were converted before chunks.py
+    (heads never split), restores the same values on 2x2; its heads-sharded arrays are read whole."""
+    r = multi["restore"]["old_chunks"]["2x2"]
+    assert r["value_mismatch"] == []
+    for d, v in r["arrays"]["layers.0.attn.w_in"].items():
+        assert v["read"] == v["whole"] == 2 * v["shard"], (d, v)
 
 
 # ---- block fp8 on a mesh ---------------------------------------------------------------------------
