@@ -12,6 +12,7 @@ update from the stored k/v/g/beta (docs/ARCHITECTURE.md, "speculative verify").
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -21,6 +22,7 @@ from flax import nnx
 
 from lingjax import sampling, sharding
 from lingjax.cache import LingCache, init_cache
+from lingjax.model.kda import kernel_mesh
 from lingjax.model.ling import LingModel, commit
 
 FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
@@ -132,9 +134,18 @@ class Decoder:
         for i, s in enumerate(self.stop_sequences):
             stops[i, stops.shape[1] - len(s):] = s
         self._stop_seqs = stops if self.stop_sequences else None
-        self.prefill = jax.jit(self._prefill, static_argnames=("max_new",))
+        self.prefill = jax.jit(self._on_mesh(self._prefill), static_argnames=("max_new",))
         # No buffer donation: the engine reads chunk k while chunk k+1 (fed from it) runs.
-        self.run = jax.jit(self._run)
+        self.run = jax.jit(self._on_mesh(self._run))
+
+    def _on_mesh(self, fn):
+        """`fn` traced with the params' mesh visible to Pallas KDA kernels (kda.kernel_mesh), which
+        then run per device on its heads under shard_map. Plain `fn` on one device."""
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            with kernel_mesh(self._mesh):
+                return fn(*args, **kwargs)
+        return traced
 
     # ---- prefill ------------------------------------------------------------------------------
     def _prefill(self, params, prompt, max_new: int, limit, key, samp, step_cost, prompt_len=None):

@@ -399,13 +399,75 @@ def fp8():
                 scale_spec=spec_str(model.layers[3].mlp.w_gate_up.scale_inv.get_value()))
 
 
+# ---- the Pallas KDA kernel on a mesh ------------------------------------------------------------
+def _kda_reference_kernels():
+    """XLA stand-ins with the signatures of the two pallas_kernels.kda_decode entry points: the
+    Mosaic GPU interpreter cannot run one kernel on several devices at once (its end-of-kernel
+    barrier check sees the other devices' barriers), so on CPU the shard_map split around the kernel
+    is checked with these, and the real kernel only by cross-lowering it for CUDA."""
+    from lingjax.ops import kda as kda_ops
+    shapes = []
+
+    def recurrent(q, k, v, g, beta, state, scale=None, *, interpret=False):
+        shapes.append(list(q.shape))
+        return kda_ops.kda_chunked(q, k, v, g, beta, state)
+
+    def after_prefix(state, k, v, g, beta, n, *, interpret=False):
+        return kda_ops.kda_state_after_prefix(state, k, v, g, beta, n)
+    return recurrent, after_prefix, shapes
+
+
+def kda_kernel():
+    """kda_kernel='pallas' on meshes 2x1, 1x2, 2x2 (float32 golden pair): greedy tokens with the
+    kernel split per device (shard_map over heads) vs the XLA kernel on one device; the heads each
+    kernel call sees; the sharded loop cross-lowered for CUDA with the real kernel."""
+    from lingjax.model.kda import pallas_cross_lowering, pallas_interpret, set_kda_kernel
+    from pallas_kernels import kda_decode
+
+    def pair(kernel, mesh):
+        model = load_hf_model(LING_TINY, dtype=jnp.float32)
+        draft = from_safetensors(DSPARK_TINY, dtype=jnp.float32)
+        set_kda_kernel(model, kernel)
+        if mesh is not None:
+            sharding.shard_model(model, mesh)
+            sharding.shard_model(draft, mesh)
+        return model, draft
+    out = dict(ref={m: spec_tokens(*pair("xla", None), m)[0] for m in ("none", "dspark")}, meshes={})
+    real = kda_decode.kda_recurrent_pallas, kda_decode.kda_state_after_prefix_pallas
+    for (tp, ep), methods in (((2, 1), ("dspark",)), ((1, 2), ("dspark",)), ((2, 2), ("none", "dspark"))):
+        mesh = sharding.make_mesh(tp, ep, jax.devices()[: tp * ep])
+        r = out["meshes"][f"{tp}x{ep}"] = {}
+        for m in methods:
+            recurrent, after_prefix, shapes = _kda_reference_kernels()
+            kda_decode.kda_recurrent_pallas, kda_decode.kda_state_after_prefix_pallas = recurrent, after_prefix
+            model, draft = pair("pallas", mesh)
+            try:
+                with pallas_interpret():
+                    toks, state, prefilled, hlo = spec_tokens(model, draft, m)
+            finally:
+                kda_decode.kda_recurrent_pallas, kda_decode.kda_state_after_prefix_pallas = real
+            rep = collective_report(hlo, model, tokens=9 if m == "dspark" else 1)
+            r[m] = dict(tokens=toks, equal=toks == out["ref"][m], call_heads=sorted({s[2] for s in shapes}),
+                        kda=rep["scopes"].get("kda", dict(n=0)), kda_blocks=rep["blocks"]["kda"],
+                        state_bad=state_mismatches(state, mesh, model.cfg))
+        if (tp, ep) == (2, 2):
+            model, draft = pair("pallas", mesh)
+            dec = Decoder(model, SpecConfig("dspark", 8), draft=draft)
+            with pallas_cross_lowering():
+                text = dec.run.trace(dec.params, prefilled, GREEDY, None, jnp.int32(100)).lower(
+                    lowering_platforms=("cuda",)).as_text()
+            r["cuda_mosaic_calls"] = text.count("mosaic_gpu")
+    return out
+
+
 def main(argv):
-    what = argv or ["golden", "random", "errors", "expert_axis", "restore", "fp8"]
+    what = argv or ["golden", "random", "errors", "expert_axis", "restore", "fp8"]   # kda_kernel: on request
     res = dict(devices=jax.device_count(), s={})
     t0 = time.time()
     for name, fn in (("golden", lambda: run_meshes(golden_pair, [(1, 1), (2, 1), (1, 2), (2, 2)])),
                      ("random", lambda: run_meshes(random_pair, [(4, 1)])),
-                     ("errors", errors), ("expert_axis", expert_axis), ("restore", restore), ("fp8", fp8)):
+                     ("errors", errors), ("expert_axis", expert_axis), ("restore", restore), ("fp8", fp8),
+                     ("kda_kernel", kda_kernel)):
         if name in what:
             t1 = time.time()
             res[name] = fn()

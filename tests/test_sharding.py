@@ -71,14 +71,23 @@ def test_param_shardings_single_device():
     assert sh[("layers", 3, "mlp", "router")].spec == P(None, None)
 
 
-@pytest.fixture(scope="module")
-def multi():
+def _check(*what):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
-    proc = subprocess.run([sys.executable, str(HERE / "sharding_check.py")], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(HERE / "sharding_check.py"), *what], env=env, capture_output=True,
                           text=True, timeout=900, cwd=HERE.parent)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def multi():
+    return _check()
+
+
+@pytest.fixture(scope="module")
+def kda_multi():
+    return _check("kda_kernel")["kda_kernel"]
 
 
 @pytest.mark.parametrize("mesh", ["1x1", "2x1", "1x2", "2x2"])
@@ -280,3 +289,24 @@ def test_fp8_decode_step_one_collective_per_block(multi):
     """quant.dequantize gathers the scales of weights narrower than a block (w_beta, g_proj) by
     block index: repeat + slice made GSPMD add a collective-permute per KDA / MLA block."""
     _check_step(multi["fp8"]["collectives"], 2)
+
+
+# ---- kda_kernel='pallas' on a mesh ----------------------------------------------------------------
+@pytest.mark.parametrize("mesh,method", [("2x1", "dspark"), ("1x2", "dspark"), ("2x2", "none"), ("2x2", "dspark")])
+def test_kda_kernel_split_over_heads(kda_multi, mesh, method):
+    """The Pallas KDA kernel under shard_map: each call sees its device's heads (golden: 2 heads, so
+    1 per device at tp=2, both at tp=1), greedy tokens equal the one-device XLA run, the state keeps
+    its shardings, and the split adds no collective to the KDA blocks. On CPU the kernel body is an
+    XLA stand-in with its signature (see sharding_check._kda_reference_kernels)."""
+    r = kda_multi["meshes"][mesh][method]
+    tp = int(mesh.split("x")[0])
+    assert r["equal"], (r["tokens"], kda_multi["ref"][method])
+    assert r["call_heads"] == [2 // tp]
+    assert r["state_bad"] == []
+    assert r["kda"]["n"] <= r["kda_blocks"] and (tp > 1 or r["kda"]["n"] == 0), r["kda"]
+
+
+def test_kda_kernel_on_a_mesh_cross_lowers_for_cuda(kda_multi):
+    """The sharded speculative loop (2x2 mesh) with the real Mosaic GPU kernel inside shard_map lowers
+    for CUDA (the interpreter cannot run it on several CPU devices at once)."""
+    assert kda_multi["meshes"]["2x2"]["cuda_mosaic_calls"] > 0

@@ -11,19 +11,23 @@ The recurrence runs on one of two kernels (``kda_kernel``, XLA by default):
            beta = 0 past the accepted prefix: exact identity updates in the kernel). Prefill and
            any other T > 1 forward stay on kda_chunked. Needs an NVIDIA Hopper GPU, float32
            accumulation (a bfloat16 / float32 model) and head_dim % 64 == 0. On a CPU backend it
-           only runs in interpret mode, when traced inside ``pallas_interpret()`` (tests). Not split
-           over devices (no shard_map over heads): lingjax.loader refuses it with a mesh.
+           only runs in interpret mode, when traced inside ``pallas_interpret()`` (tests). On a
+           device mesh (traced inside ``kernel_mesh(mesh)``, as the Decoder does for sharded
+           params) each device runs the kernel on its own heads under ``jax.shard_map``: heads are
+           split over 'tp' like the KDA parameters and state, every other mesh axis replicates.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import PartitionSpec as P
 
 from lingjax.cache import KDAState
 from lingjax.config import LingConfig
@@ -74,6 +78,7 @@ def set_kda_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
 
 
 _INTERPRET: contextvars.ContextVar = contextvars.ContextVar("kda_pallas_interpret", default=None)
+_MESH: contextvars.ContextVar = contextvars.ContextVar("kda_pallas_mesh", default=None)
 
 
 @contextlib.contextmanager
@@ -88,14 +93,55 @@ def pallas_interpret(params=None):
         _INTERPRET.reset(token)
 
 
-def _pallas(fn, *args):
-    """Call a kda_decode kernel: compiled on a GPU, interpreted inside `pallas_interpret`."""
+@contextlib.contextmanager
+def pallas_cross_lowering():
+    """kda_kernel='pallas' layers traced inside this block emit the compiled Mosaic GPU kernel even
+    off-GPU, for `.lower(lowering_platforms=("cuda",))` checks on a CPU host (nothing can run)."""
+    token = _INTERPRET.set(False)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
+
+@contextlib.contextmanager
+def kernel_mesh(mesh):
+    """kda_kernel='pallas' layers traced inside this block split the kernel over `mesh` (a
+    jax.sharding.Mesh with a 'tp' axis, or None = one device) with shard_map: each device runs its
+    own heads. Like `pallas_interpret`, only tracing sees it."""
+    token = _MESH.set(mesh if mesh is not None and mesh.size > 1 else None)
+    try:
+        yield
+    finally:
+        _MESH.reset(token)
+
+
+def _pallas(fn, *args, head_axes, out_head_axes):
+    """Call a kda_decode kernel: compiled on a GPU, interpreted inside `pallas_interpret`, and under
+    `kernel_mesh(mesh)` split over the mesh's 'tp' axis by heads. `head_axes`: the heads dim of
+    each arg (None: a replicated scalar); `out_head_axes`: (ndim, heads dim) of each output, or one
+    such pair for a single output."""
     interpret = _INTERPRET.get()
     if interpret is None and jax.default_backend() != "gpu":
         raise ValueError(f"kda_kernel='pallas' runs a Mosaic GPU kernel, which needs an NVIDIA Hopper GPU; "
                          f"the backend is {jax.default_backend()!r}. Use kda_kernel='xla' (tests on CPU trace "
                          "the model inside lingjax.model.kda.pallas_interpret()).")
-    return fn(*args, interpret=interpret if interpret is not None else False)
+    call = functools.partial(fn, interpret=interpret or False)
+    mesh = _MESH.get()
+    if mesh is None:
+        return call(*args)
+    heads = args[0].shape[head_axes[0]]
+    tp = mesh.shape.get("tp", 1)
+    if heads % tp:
+        raise ValueError(f"kda_kernel='pallas' on a mesh splits heads over 'tp': {heads} heads are not "
+                         f"divisible by tp={tp}; use a tp that divides {heads}")
+
+    def spec(ndim, axis):
+        return P(*[("tp" if tp > 1 and d == axis else None) for d in range(ndim)])
+    in_specs = tuple(P() if a is None else spec(x.ndim, a) for x, a in zip(args, head_axes))
+    out_specs = (spec(*out_head_axes) if isinstance(out_head_axes[0], int)
+                 else tuple(spec(*o) for o in out_head_axes))
+    return jax.shard_map(call, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
 class KDA(nnx.Module):
@@ -140,7 +186,8 @@ class KDA(nnx.Module):
         pallas = self.kda_kernel == "pallas" and (t == 1 or pending) and t <= kda_decode.MAX_T
         s0 = widen_state(cache.state, acc)
         if pallas:
-            o, s = _pallas(kda_decode.kda_recurrent_pallas, q, k, v, g, beta, s0)
+            o, s = _pallas(kda_decode.kda_recurrent_pallas, q, k, v, g, beta, s0,
+                           head_axes=(2, 2, 2, 2, 2, 1), out_head_axes=((4, 2), (4, 1)))
         elif t == 1 and not pending:
             o, s = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
             o = o[:, None]
@@ -189,7 +236,8 @@ def commit_prefix(p: KDAPending, n) -> KDAState:
     """State and conv window after the first n tokens of a pending block (n traced, 0 <= n <= T)."""
     s0 = widen_state(p.start.state, p.k.dtype)     # k is in the accumulation dtype
     if isinstance(p, KDAPendingPallas):
-        s = _pallas(kda_decode.kda_state_after_prefix_pallas, s0, p.k, p.v, p.g, p.beta, n)
+        s = _pallas(kda_decode.kda_state_after_prefix_pallas, s0, p.k, p.v, p.g, p.beta, jnp.asarray(n),
+                    head_axes=(1, 2, 2, 2, 2, None), out_head_axes=(4, 1))
     else:
         s = kda_ops.kda_state_after_prefix(s0, p.k, p.v, p.g, p.beta, n)
     s = store_state(s, p.start.state.dtype)
