@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="split over devices: 'tp=N[,ep=M]'; random weights are then created directly in their shards")
     ap.add_argument("--kda-kernel", choices=["xla", "pallas"], default="xla",
                     help="KDA recurrence for decode / verify / commit: XLA ops or the Pallas Mosaic GPU kernel")
+    ap.add_argument("--moe-kernel", choices=["xla", "pallas"], default="xla",
+                    help="routed experts of decode / verify (<= 16 tokens): XLA ops or the Pallas Mosaic GPU "
+                         "expert kernel (bf16 or fp8 weights; not with --mesh)")
     ap.add_argument("--approx", type=_approx, default=None, metavar="MODES",
                     help="approximate speed modes (lingjax/approx.py), off by default: comma list of "
                          "expert_keep=X, bf16_router_head, bf16_kda_state, fp8_mla_cache")
@@ -126,6 +129,10 @@ def _check_args(ap, a) -> None:
                  "(a random draft is only built for random target weights)")
     if a.approx is not None and a.approx.fp8_mla_cache and a.mesh:
         ap.error("--approx fp8_mla_cache with --mesh is not supported yet (no cache sharding for the fp8 scales)")
+    if a.moe_kernel == "pallas" and a.mesh:
+        ap.error("--moe-kernel pallas with --mesh is not supported yet (the kernel is not split over devices)")
+    if a.moe_kernel == "pallas" and a.dtype == "f32":
+        ap.error("--moe-kernel pallas streams bf16 or fp8 expert weights: use --dtype bf16 or fp8")
     if a.profile_tokens < 2:
         ap.error("--profile-tokens must be >= 2")
     for tau in a.forced_accept or ():
@@ -217,6 +224,9 @@ def main(argv=None) -> dict:
     from lingjax.spec_decode import Decoder, DraftOverride, SpecConfig
 
     from lingjax.quant import quantize_model
+    if a.moe_kernel == "pallas" and jax.default_backend() != "gpu":
+        ap.error(f"--moe-kernel pallas compiles a Mosaic GPU kernel (NVIDIA Hopper GPU); the backend is "
+                 f"{jax.default_backend()!r}: use --moe-kernel xla")
     dt = {"bf16": jnp.bfloat16, "f32": jnp.float32, "fp8": jnp.bfloat16}[a.dtype]   # compute dtype
     fp8 = a.dtype == "fp8"
     # ---- config (validated before any weight is built) ------------------------------------------
@@ -289,6 +299,9 @@ def main(argv=None) -> dict:
         if a.approx is not None:
             from lingjax.model.ling import set_approx
             set_approx(target, a.approx)
+        if a.moe_kernel != "xla":       # after any fp8 quantisation: it checks the expert weights
+            from lingjax.model.mlp import set_moe_kernel
+            set_moe_kernel(target, a.moe_kernel)
         if mesh is not None and a.checkpoint:
             sharding.shard_model(target, mesh)
             if draft is not None:
@@ -410,6 +423,7 @@ def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, de
         "bench": "batch1", "model": "embedded" if a.embedded else a.checkpoint or (
             "random:" + (a.config_json or ("tiny" if a.tiny else "ling3-flash"))),
         "layers": cfg.num_hidden_layers, "dtype": a.dtype, "spec": method, "kda_kernel": a.kda_kernel,
+        "moe_kernel": a.moe_kernel,
         "approx": a.approx.describe() if a.approx is not None else "none",
         "block_size": a.block_size if B else 0, "forced_accept": tau,
         "input_len": a.input_len, "output_len": a.output_len, "num_prompts": a.num_prompts,

@@ -1,16 +1,17 @@
-"""Routed-expert MoE kernel (pallas_kernels/moe_experts.py) vs experts_gather, block-fp8 weights.
+"""Routed-expert MoE kernel (pallas_kernels/moe_experts.py) vs experts_gather, fp8 or bf16 weights.
 
-    python -m bench.moe_kernel_timing --M 1,9 [--iters 50] [--out-dir DIR]
+    python -m bench.moe_kernel_timing --M 1,9 [--weights fp8|bf16] [--iters 50] [--out-dir DIR]
     python -m bench.moe_kernel_timing --interpret --M 1,3 --E 16 --D 256 --F 128 --k 4 --iters 1  # CPU smoke
 
-Shape (default Ling-3.0-flash): E=512 experts, D=2560, F=768, top-k 8; random fp8 values
-(random bytes, NaN codes zeroed) with random power-of-two block scales, made on the device; x
-bf16; each token picks k distinct experts uniformly (--seed). Rows per M, each the median over
+Shape (default Ling-3.0-flash): E=512 experts, D=2560, F=768, top-k 8; --weights fp8 (default):
+random fp8 values (random bytes, NaN codes zeroed) with random power-of-two block scales; bf16:
+random normal bf16 weights (std 0.02, no scales); made on the device; x bf16; each token picks
+k distinct experts uniformly (--seed). Rows per M, each the median over
 --iters blocked calls after --warmup calls (compile excluded), and `pipelined` = --iters calls
 issued back to back with one block at the end, / --iters:
   kernel   moe_experts_pallas (prologue + 2 kernels + transpose + combine)
-  gather   lingjax.ops.moe.experts_gather with Fp8Weight (the model's current XLA path)
-bytes = fp8 weights + scales of the distinct chosen experts (what each must read at least);
+  gather   lingjax.ops.moe.experts_gather with Fp8Weight / bf16 arrays (the model's XLA path)
+bytes = weights (+ fp8 scales) of the distinct chosen experts (what each must read at least);
 pct_copy = bytes / pipelined time / device copy bandwidth measured in-process
 (bench.batch1.measure_copy_bandwidth). max_abs_err / ref_max: kernel vs gather.
 Writes bench/results/moe_kernel_timing-*.json (or --out-dir) via bench.common.save_result.
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--D", type=int, default=2560, help="hidden size")
     ap.add_argument("--F", type=int, default=768, help="expert intermediate size")
     ap.add_argument("--k", type=int, default=8, help="experts per token")
+    ap.add_argument("--weights", choices=["fp8", "bf16"], default="fp8",
+                    help="expert weight format: block fp8 (dequantised on chip) or bf16 (streamed as is)")
     ap.add_argument("--limit", type=float, default=None, help="SwiGLU clamp (default none)")
     ap.add_argument("--iters", type=int, default=50, help="timed calls per row")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls per row (first compiles)")
@@ -44,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def make_weights(E, D, F, seed):
-    """(w_gate_up fp8 [E,D,2,F], gu_scale [E,2,D/128,F/128], w_down fp8 [E,F,D], down_scale)."""
+def make_weights(E, D, F, seed, kind="fp8"):
+    """(w_gate_up fp8 [E,D,2,F], gu_scale [E,2,D/128,F/128], w_down fp8 [E,F,D], down_scale);
+    kind="bf16": (w_gate_up bf16, None, w_down bf16, None)."""
     import jax
     import jax.numpy as jnp
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
@@ -58,6 +62,10 @@ def make_weights(E, D, F, seed):
     def scale(key, shape):
         return 2.0 ** jax.random.randint(key, shape, -14, -8).astype(jnp.float32)
 
+    if kind == "bf16":
+        make = jax.jit(lambda: (0.02 * jax.random.normal(ks[0], (E, D, 2, F), jnp.bfloat16), None,
+                                0.02 * jax.random.normal(ks[2], (E, F, D), jnp.bfloat16), None))
+        return jax.block_until_ready(make())
     make = jax.jit(lambda: (fp8(ks[0], (E, D, 2, F)), scale(ks[1], (E, 2, D // 128, F // 128)),
                             fp8(ks[2], (E, F, D)), scale(ks[3], (E, F // 128, D // 128))))
     return jax.block_until_ready(make())
@@ -79,19 +87,26 @@ def run_M(M, a, weights, interpret, copy_bw) -> dict:
     w = jnp.asarray(rng.uniform(0.05, 1.0, (M, a.k)), jnp.float32)
     x = jax.random.normal(jax.random.PRNGKey(a.seed + M), (M, a.D), jnp.float32).astype(jnp.bfloat16)
     n_used = int(np.unique(np.asarray(idx)).size)
-    rec = {"M": M, "E": a.E, "D": a.D, "F": a.F, "k": a.k, "limit": a.limit, "n_experts_used": n_used,
-           "bytes": weight_bytes(n_used, a.D, a.F)}
+    fp8 = a.weights == "fp8"
+    rec = {"M": M, "E": a.E, "D": a.D, "F": a.F, "k": a.k, "weights": a.weights, "limit": a.limit,
+           "n_experts_used": n_used, "bytes": weight_bytes(n_used, a.D, a.F, fp8=fp8)}
     rec["floor_us"] = rec["bytes"] / copy_bw * 1e6
     kern = jax.jit(lambda *xs: moe_experts_pallas(*xs, limit=a.limit, interpret=interpret))
-    bf = jnp.bfloat16
-    fgu = Fp8Weight(vgu, sgu, view=Matrix((0, 2), (1,), (3,)), block=(128, 128), dtype=bf,
-                    logical=("experts", "embed", None, "mlp"))
-    fd = Fp8Weight(vd, sd, view=Matrix((0,), (1,), (2,)), block=(128, 128), dtype=bf,
-                   logical=("experts", "mlp", "embed"))
-    gather = jax.jit(lambda x, idx, w: experts_gather(x, idx, w, fgu, fd, a.limit))
+
+    def gather_fn(x, idx, w, vgu, sgu, vd, sd):     # weights are arguments, not jit constants
+        fgu, fd = vgu, vd                            # bf16: plain arrays
+        if fp8:
+            bf = jnp.bfloat16
+            fgu = Fp8Weight(vgu, sgu, view=Matrix((0, 2), (1,), (3,)), block=(128, 128), dtype=bf,
+                            logical=("experts", "embed", None, "mlp"))
+            fd = Fp8Weight(vd, sd, view=Matrix((0,), (1,), (2,)), block=(128, 128), dtype=bf,
+                           logical=("experts", "mlp", "embed"))
+        return experts_gather(x, idx, w, fgu, fd, a.limit)
+
+    gather = jax.jit(gather_fn)
     rows = [("kernel", kern, (x, idx, w, vgu, sgu, vd, sd))]
     if not a.no_gather:
-        rows.append(("gather", gather, (x, idx, w)))
+        rows.append(("gather", gather, (x, idx, w, vgu, sgu, vd, sd)))
     for name, fn, args in rows:
         try:
             med, piped = time_fn(fn, args, a.iters, a.warmup)
@@ -102,7 +117,7 @@ def run_M(M, a, weights, interpret, copy_bw) -> dict:
         rec[f"{name}_pct_copy"] = 100 * rec["floor_us"] / rec[f"{name}_pipelined_us"]
     if "kernel_us" in rec:
         out = np.asarray(kern(x, idx, w, vgu, sgu, vd, sd), np.float32)
-        ref = np.asarray(gather(x, idx, w), np.float32)
+        ref = np.asarray(gather(x, idx, w, vgu, sgu, vd, sd), np.float32)
         rec["max_abs_err"] = float(np.abs(out - ref).max())
         rec["ref_max"] = float(np.abs(ref).max())
         rec["finite"] = bool(np.isfinite(out).all())
@@ -129,7 +144,7 @@ def main(argv=None) -> dict:
     backend = jax.default_backend()
     interpret = kernel_interpret(ap, a, "the kernel")
     copy_bw = measure_copy_bandwidth((1024 if backend == "gpu" else 8) << 20)
-    weights = make_weights(a.E, a.D, a.F, a.seed)
+    weights = make_weights(a.E, a.D, a.F, a.seed, a.weights)
     results = []
     for M in Ms:
         rec = run_M(M, a, weights, interpret, copy_bw)
@@ -144,7 +159,7 @@ def main(argv=None) -> dict:
         if "max_abs_err" in rec:
             line += f"; max|kernel-gather| {rec['max_abs_err']:.3g} (ref max {rec['ref_max']:.3g})"
         print(line)
-    record = {"bench": "moe_kernel_timing", "copy_GBps": copy_bw / 1e9, "results": results}
+    record = {"bench": "moe_kernel_timing", "weights": a.weights, "copy_GBps": copy_bw / 1e9, "results": results}
     save_result("moe_kernel_timing", record, a.out_dir)
     return record
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from lingjax.approx import ApproxModes
 from lingjax.engine import Engine
 from lingjax.model.kda import check_kda_kernel, set_kda_kernel
+from lingjax.model.mlp import check_moe_kernel, set_moe_kernel
 from lingjax.spec_decode import SpecConfig
 
 DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "float64": jnp.float64}
@@ -40,13 +41,16 @@ def load_draft(path: str | Path, dtype):
 def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None = None, *, dtype: str = "bfloat16",
                 spec: str | None = None, block_size: int | None = None, verify_policy: str = "fixed",
                 chunk_steps: int = 16, max_context: int | None = None, quiet: bool = False,
-                mesh: str | None = None, kda_kernel: str = "xla", approx: str | ApproxModes | None = None) -> Engine:
+                mesh: str | None = None, kda_kernel: str = "xla", moe_kernel: str = "xla",
+                approx: str | ApproxModes | None = None) -> Engine:
     """checkpoint None = the embedded default model (and its draft unless `draft` is given).
 
     mesh: 'tp=N[,ep=M]' (lingjax.sharding.parse_mesh) to split the target and draft over N*M
-    devices (heads / vocab / expert intermediate over tp, experts over ep); None = one device.
+    devices (heads / vocab over tp, MLP and expert intermediates over ep x tp); None = one device.
     kda_kernel: 'xla' | 'pallas' (the fused Mosaic GPU KDA kernel for decode / verify / commit;
     NVIDIA Hopper GPU only), see lingjax/model/kda.py.
+    moe_kernel: 'xla' | 'pallas' (the Mosaic GPU routed-expert kernel for calls of <= 16 tokens;
+    fp8 or bfloat16 expert weights, NVIDIA Hopper GPU only), see lingjax/model/mlp.py.
     approx: approximate speed modes, an ApproxModes or its text form ('expert_keep=0.75,bf16_router_head,
     bf16_kda_state,fp8_mla_cache'; lingjax/approx.py); None = every mode off (exact)."""
     if dtype not in DTYPES:
@@ -54,14 +58,18 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
     jdtype = DTYPES[dtype]
     try:
         check_kda_kernel(kda_kernel, dtype=jdtype)
+        check_moe_kernel(moe_kernel, dtype=jdtype)
     except ValueError as e:
         raise LoadError(str(e)) from None
-    if kda_kernel == "pallas" and mesh is not None:
-        raise LoadError("--kda-kernel pallas with --mesh is not supported yet: the kernel is not split over "
-                        "devices (no shard_map over heads); use --kda-kernel xla")
     if kda_kernel == "pallas" and jax.default_backend() != "gpu":
         raise LoadError(f"--kda-kernel pallas needs an NVIDIA Hopper GPU (a Mosaic GPU kernel); the backend is "
                         f"{jax.default_backend()!r}: use --kda-kernel xla")
+    if moe_kernel == "pallas" and mesh is not None:
+        raise LoadError("--moe-kernel pallas with --mesh is not supported yet: the kernel is not split over "
+                        "devices (no shard_map over experts); use --moe-kernel xla")
+    if moe_kernel == "pallas" and jax.default_backend() != "gpu":
+        raise LoadError(f"--moe-kernel pallas needs an NVIDIA Hopper GPU (a Mosaic GPU kernel); the backend is "
+                        f"{jax.default_backend()!r}: use --moe-kernel xla")
     try:
         modes = approx if isinstance(approx, ApproxModes) else ApproxModes.parse(approx)
     except ValueError as e:
@@ -89,6 +97,7 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
     set_approx(target, modes)
     try:
         set_kda_kernel(target, kda_kernel)
+        set_moe_kernel(target, moe_kernel)
     except ValueError as e:
         raise LoadError(f"{checkpoint or 'embedded model'}: {e}") from None
     if draft is not None:
@@ -110,5 +119,6 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
     engine = Engine(target, tokenizer, drafter if method == "dspark" else None, spec=spec_cfg,
                     chunk_steps=chunk_steps, max_context=max_context)
     _log(f"loaded in {time.perf_counter() - t0:.1f}s (spec={method}, block={spec_cfg.block_size}, "
-         f"policy={verify_policy}, kda_kernel={kda_kernel}, approx={modes.describe()})", quiet)
+         f"policy={verify_policy}, kda_kernel={kda_kernel}, moe_kernel={moe_kernel}, "
+         f"approx={modes.describe()})", quiet)
     return engine

@@ -22,7 +22,7 @@ from flax import nnx
 
 from lingjax import sampling, sharding
 from lingjax.cache import LingCache, init_cache
-from lingjax.model.kda import kernel_mesh
+from lingjax.model.kernels import kernel_mesh
 from lingjax.model.ling import LingModel, commit
 
 FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2

@@ -1,20 +1,28 @@
 """Batch-1 routed-expert MoE kernel (Pallas Mosaic GPU, `plgpu.kernel`) for M = 1..16 tokens.
 
 Same contract as :func:`lingjax.ops.moe.experts_gather` with block-fp8 expert weights
-(:class:`lingjax.quant.Fp8Weight` layout, 128 x 128 blocks):
+(:class:`lingjax.quant.Fp8Weight` layout, 128 x 128 blocks) or plain bf16 expert weights:
 
     x          [M, D]           activations (any float dtype; used as bf16)
     idx, w     [M, k]           router top-k expert ids (int32) and combine weights
     w_gate_up  [E, D, 2, F]     float8_e4m3fn   gu_scale   [E, 2, D/128, F/128] float32
     w_down     [E, F, D]        float8_e4m3fn   down_scale [E, F/128, D/128]    float32
+               (or both bfloat16 with gu_scale = down_scale = None)
     -> y [M, D] in x.dtype:  y[m] = sum_j w[m, j] * down_e(swiglu(gate_e(x[m]), up_e(x[m]), limit))
+
+A slot whose combine weight is exactly 0 (``expert_keep``, lingjax/approx.py) is skipped: an
+expert chosen only with weight 0 is not read at all.
 
 Design
 ------
-* XLA prologue (tiny): the M*k ids are deduplicated into ``uniq [U]`` with the static bound
-  U = min(M*k, E) (sorted, padded with -1), the combine weights become ``wu [U, M]`` (0 for
-  padding), x is zero-padded to ``xp [16, D]`` bf16, and the chosen experts' scales are gathered
-  (D/128 axis minor, padded to 16 bytes) so that a program's scales come in with one TMA.
+* XLA prologue (tiny): the M*k ids of the slots with a nonzero combine weight are deduplicated
+  into ``uniq [U]`` with the static bound U = min(M*k, E) (sorted, padded with -1), the combine
+  weights become ``wu [U, M]`` (0 for padding), x is zero-padded to ``xp [16, D]`` bf16, and (fp8)
+  the chosen experts' scales are gathered (D/128 axis minor, padded to 16 bytes) so that a
+  program's scales come in with one TMA.
+* bf16 weights (a static switch: no scales given) take the same kernels without the
+  dequantisation: the pipeline's TMA lands each chunk directly in a swizzled SMEM tile that is
+  the WGMMA A operand (no register round trip, no scale loads). Bytes per expert double.
 * Kernel 1 (gate/up), grid ``(U, F / 64)``: program (u, j) streams expert uniq[u]'s gate and up
   columns ``[:, j*64:(j+1)*64]`` in 128-row chunks (one fp8 scale block per chunk) through
   ``plgpu.emit_pipeline`` (TMA into SMEM, 3 stages). Each chunk is dequantised in registers
@@ -41,16 +49,17 @@ Bytes per call (fp8): n_used * 3 * D * F weight bytes (5.9 MB per Ling expert) +
 + small traffic (x per program from L2; act 4 * U * F * 16 * 2 B with the transpose; yu
 2 * U * D * 16 * 4 B). 5 launches (prologue fusions, kernel 1, transpose, kernel 2, combine).
 Ling at M = 1: 8 experts = 47.2 MB of weights -> 11 us at the H200's 4.3 TB/s copy bandwidth;
-M = 9 with random routing ~ 67 distinct experts ~ 395 MB -> 92 us.
+M = 9 with random routing ~ 67 distinct experts ~ 395 MB -> 92 us. bf16: twice the weight bytes.
 
-Status: NOT RUN ON A GPU. Checked on CPU only, on jax 0.12.0.1 and 0.11.2 (the H200's): interpret
-mode with race detection against ``experts_gather`` (small shapes, unselected experts poisoned
-with NaN) and cross-lowering for CUDA at the Ling shape, M in {1, 9, 16}
-(``.lower(lowering_platforms=("cuda",))``); see tests/test_pallas_moe_experts.py. Not checked:
-a real compile (ptxas registers/spills), correctness on the GPU, speed
-(bench/moe_kernel_timing.py). Tile sizes and pipeline depth are first guesses; per chunk the
+Status: NOT RUN ON A GPU. Checked on CPU only, on jax 0.12.0.1 and 0.11.2 (the H200's), fp8 and
+bf16 weights: interpret mode with race detection against ``experts_gather`` (small shapes,
+unselected experts and experts chosen only with weight 0 poisoned with NaN) and cross-lowering
+for CUDA at the Ling shape, M in {1, 9, 16} (``.lower(lowering_platforms=("cuda",))``); see
+tests/test_pallas_moe_experts.py. Not checked: a real compile (ptxas registers/spills),
+correctness on the GPU, speed (bench/moe_kernel_timing.py --weights fp8|bf16). Tile sizes and
+pipeline depth are first guesses (bf16 could take longer K chunks); per chunk the
 dequantisation, the WGMMA and its wait run back to back (only the TMA loads are pipelined).
-bf16 weights are not supported (fp8 only). Expert ids must lie in [0, E) (not checked: traced).
+Expert ids must lie in [0, E) (not checked: traced).
 """
 
 from __future__ import annotations
@@ -89,12 +98,15 @@ def dedupe_experts(idx, w, n_experts: int):
     """idx [M, k] int32, w [M, k] -> (uniq [U] int32 sorted, -1 padded; wu [U, M] float32).
 
     U = min(M*k, n_experts) (static). wu[u, m] = sum of token m's combine weights for uniq[u].
+    A (token, slot) whose combine weight is exactly 0 (``expert_keep`` in lingjax/approx.py drops
+    slots that way) does not count: an expert chosen only with weight 0 is not in uniq, so the
+    kernels never read it (its contribution, 0 * y, is dropped; y is not computed).
     """
     M, k = idx.shape
     U = min(M * k, n_experts)
-    flat = idx.reshape(-1).astype(jnp.int32)
-    s = jnp.sort(flat)
-    new = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]])
+    flat = jnp.where(w.reshape(-1) != 0, idx.reshape(-1).astype(jnp.int32), n_experts)  # 0: sentinel E
+    s = jnp.sort(flat)                                               # sentinels sort last
+    new = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]]) & (s < n_experts)
     slot = jnp.cumsum(new) - 1                                       # [M*k] slot of each sorted id
     uniq = jnp.full((U,), -1, jnp.int32).at[jnp.where(new, slot, U)].set(s, mode="drop")
     onehot = idx[:, :, None] == uniq[None, None, :]                  # [M, k, U]
@@ -111,14 +123,20 @@ def _silu_clamp(g, u, limit):
 
 
 def _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret):
-    """Kernel 1 -> act [U, F, MAX_M] bf16 (rows of padding slots unwritten)."""
+    """Kernel 1 -> act [U, F, MAX_M] bf16 (rows of padding slots unwritten).
+
+    su_gu: the chosen experts' gate/up scales (fp8 weights) or None (bf16 weights, no dequant)."""
     E, D, _, F = w_gate_up.shape
     U = uniq.shape[0]
-    nq = su_gu.shape[-1]
+    fp8 = su_gu is not None
     x_tf = _swizzled(BLOCK, 2)
     w_tf = _swizzled(TF, 2)
 
-    def body(uniq_g, x_g, w_g, s_g, act_g, wb_s, s_s, o_s, bar):
+    def body(uniq_g, x_g, w_g, *refs):
+        if fp8:
+            s_g, act_g, wb_s, s_s, o_s, bar = refs
+        else:
+            act_g, o_s = refs
         u = lax.axis_index("u")
         j = lax.axis_index("f")
         e = uniq_g[u]
@@ -126,26 +144,29 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret):
 
         @pl.when(e >= 0)
         def _():
-            plgpu.copy_gmem_to_smem(s_g.at[u, :, (j * TF) // BLOCK], s_s, bar.at[0])
-            plgpu.barrier_wait(bar.at[0])
+            if fp8:
+                plgpu.copy_gmem_to_smem(s_g.at[u, :, (j * TF) // BLOCK], s_s, bar.at[0])
+                plgpu.barrier_wait(bar.at[0])
 
             def scoped(acc_g, acc_u):
-                def step(idxs, g8_s, u8_s, x_s):
+                def step(idxs, g_s, u_s, x_s):
                     (i,) = idxs
-                    for c, (src, acc) in enumerate(((g8_s, acc_g), (u8_s, acc_u))):
-                        v = plgpu.load(src, layout=_WG, optimized=False)          # fp8
-                        v = (v.astype(_F32) * s_s[c, i]).astype(_BF)
-                        _store(wb_s.at[c], v)
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc_g, wb_s.at[0].T, x_s.T)
-                    plgpu.wgmma(acc_u, wb_s.at[1].T, x_s.T)
+                    if fp8:      # dequantise the fp8 chunks into the swizzled bf16 tiles
+                        for c, src in enumerate((g_s, u_s)):
+                            v = plgpu.load(src, layout=_WG, optimized=False)
+                            v = (v.astype(_F32) * s_s[c, i]).astype(_BF)
+                            _store(wb_s.at[c], v)
+                        plgpu.commit_smem()
+                        g_s, u_s = wb_s.at[0], wb_s.at[1]
+                    plgpu.wgmma(acc_g, g_s.T, x_s.T)
+                    plgpu.wgmma(acc_u, u_s.T, x_s.T)
                     plgpu.wgmma_wait(0)
 
+                w_spec = plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=() if fp8 else w_tf)
                 plgpu.emit_pipeline(
                     step,
                     grid=(D // BLOCK,),
-                    in_specs=[plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0)),
-                              plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0)),
+                    in_specs=[w_spec, w_spec,
                               plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=x_tf)],
                     max_concurrent_steps=STAGES,
                 )(w_g.at[e, :, 0, cols], w_g.at[e, :, 1, cols], x_g)
@@ -157,32 +178,35 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret):
             plgpu.copy_smem_to_gmem(o_s, act_g.at[u, cols])
             plgpu.wait_smem_to_gmem(0)
 
+    act_tile = plgpu.SMEM((TF, MAX_M), _BF)
+    scratch = (plgpu.SMEM((2, BLOCK, TF), _BF, transforms=w_tf),        # dequantised gate / up chunk
+               plgpu.SMEM((2, su_gu.shape[-1]), _F32),                  # this column block's scales
+               act_tile, plgpu.Barrier(num_barriers=1)) if fp8 else (act_tile,)
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((U, F, MAX_M), _BF),
-        scratch_types=(
-            plgpu.SMEM((2, BLOCK, TF), _BF, transforms=w_tf),   # dequantised gate / up chunk
-            plgpu.SMEM((2, nq), _F32),                           # this column block's scales
-            plgpu.SMEM((TF, MAX_M), _BF),                        # act tile
-            plgpu.Barrier(num_barriers=1),
-        ),
+        scratch_types=scratch,
         grid=(U, F // TF),
         grid_names=("u", "f"),
         interpret=interpret if interpret else None,
     )
-    return kernel(uniq, xp, w_gate_up, su_gu)
+    return kernel(uniq, xp, w_gate_up, *((su_gu,) if fp8 else ()))
 
 
 def _down(uniq, act_t, w_down, su_d, interpret):
     """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [U, D, MAX_M] float32, the unweighted per-expert
-    outputs (zeros for padding slots)."""
+    outputs (zeros for padding slots). su_d: scales (fp8 weights) or None (bf16 weights)."""
     E, F, D = w_down.shape
     U = uniq.shape[0]
-    nf, nq = su_d.shape[1:]
+    fp8 = su_d is not None
     a_tf = _swizzled(BLOCK, 2)
     w_tf = _swizzled(TD, 2)
 
-    def body(uniq_g, act_g, w_g, s_g, y_g, wb_s, s_s, o_s, bar):
+    def body(uniq_g, act_g, w_g, *refs):
+        if fp8:
+            s_g, y_g, wb_s, s_s, o_s, bar = refs
+        else:
+            y_g, o_s = refs
         u = lax.axis_index("u")
         j = lax.axis_index("d")
         e = uniq_g[u]
@@ -190,23 +214,26 @@ def _down(uniq, act_t, w_down, su_d, interpret):
 
         @pl.when(e >= 0)
         def _():
-            plgpu.copy_gmem_to_smem(s_g.at[u], s_s, bar.at[0])
-            plgpu.barrier_wait(bar.at[0])
+            if fp8:
+                plgpu.copy_gmem_to_smem(s_g.at[u], s_s, bar.at[0])
+                plgpu.barrier_wait(bar.at[0])
 
             def scoped(acc):
-                def step(idxs, w8_s, a_s):
+                def step(idxs, w_s, a_s):
                     (i,) = idxs
-                    v = plgpu.load(w8_s, layout=_WG, optimized=False)             # fp8
-                    v = (v.astype(_F32) * s_s[i, (j * TD) // BLOCK]).astype(_BF)
-                    _store(wb_s, v)
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc, wb_s.T, a_s.T)
+                    if fp8:      # dequantise the fp8 chunk into the swizzled bf16 tile
+                        v = plgpu.load(w_s, layout=_WG, optimized=False)
+                        v = (v.astype(_F32) * s_s[i, (j * TD) // BLOCK]).astype(_BF)
+                        _store(wb_s, v)
+                        plgpu.commit_smem()
+                        w_s = wb_s
+                    plgpu.wgmma(acc, w_s.T, a_s.T)
                     plgpu.wgmma_wait(0)
 
                 plgpu.emit_pipeline(
                     step,
                     grid=(F // BLOCK,),
-                    in_specs=[plgpu.BlockSpec((BLOCK, TD), lambda i: (i, 0)),
+                    in_specs=[plgpu.BlockSpec((BLOCK, TD), lambda i: (i, 0), transforms=() if fp8 else w_tf),
                               plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=a_tf)],
                     max_concurrent_steps=STAGES,
                 )(w_g.at[e, :, cols], act_g.at[u])
@@ -223,20 +250,19 @@ def _down(uniq, act_t, w_down, su_d, interpret):
         plgpu.copy_smem_to_gmem(o_s, y_g.at[u, cols])
         plgpu.wait_smem_to_gmem(0)
 
+    out_tile = plgpu.SMEM((TD, MAX_M), _F32)
+    scratch = (plgpu.SMEM((BLOCK, TD), _BF, transforms=w_tf),           # dequantised down chunk
+               plgpu.SMEM(su_d.shape[1:], _F32),                        # this expert's scales
+               out_tile, plgpu.Barrier(num_barriers=1)) if fp8 else (out_tile,)
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((U, D, MAX_M), _F32),
-        scratch_types=(
-            plgpu.SMEM((BLOCK, TD), _BF, transforms=w_tf),      # dequantised down chunk
-            plgpu.SMEM((nf, nq), _F32),                         # this expert's scales
-            plgpu.SMEM((TD, MAX_M), _F32),                      # output tile
-            plgpu.Barrier(num_barriers=1),
-        ),
+        scratch_types=scratch,
         grid=(U, D // TD),
         grid_names=("u", "d"),
         interpret=interpret if interpret else None,
     )
-    return kernel(uniq, act_t, w_down, su_d)
+    return kernel(uniq, act_t, w_down, *((su_d,) if fp8 else ()))
 
 
 def _pad_minor(a, mult):
@@ -247,10 +273,12 @@ def _pad_minor(a, mult):
 
 def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit=None, *,
                        interpret=False):
-    """Routed experts for M = 1..16 tokens with block-fp8 weights; see the module docstring.
+    """Routed experts for M = 1..16 tokens; see the module docstring.
 
-    x [M, D]; idx, w [M, k]; w_gate_up [E, D, 2, F] fp8 e4m3 + gu_scale [E, 2, D/128, F/128] f32;
-    w_down [E, F, D] fp8 + down_scale [E, F/128, D/128] f32; limit: optional SwiGLU clamp.
+    x [M, D]; idx, w [M, k]; either block-fp8 weights: w_gate_up [E, D, 2, F] float8_e4m3fn +
+    gu_scale [E, 2, D/128, F/128] f32, w_down [E, F, D] fp8 + down_scale [E, F/128, D/128] f32;
+    or bf16 weights (streamed as they are) with gu_scale = down_scale = None. limit: optional
+    SwiGLU clamp. Slots with w == 0 are skipped (`dedupe_experts`).
     ``interpret``: False (compile for the GPU) or a ``plgpu.InterpretGPUParams``. -> [M, D] x.dtype.
     """
     M, D = x.shape
@@ -262,25 +290,38 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     if (D2, two) != (D, 2) or w_down.shape != (E, F, D):
         raise ValueError(f"weights w_gate_up {w_gate_up.shape}, w_down {w_down.shape} do not match "
                          f"[E, D={D}, 2, F] / [E, F, D]")
-    if w_gate_up.dtype != _FP8 or w_down.dtype != _FP8:
-        raise ValueError(f"weights must be float8_e4m3fn, got {w_gate_up.dtype}, {w_down.dtype}")
+    fp8 = w_gate_up.dtype == _FP8
+    if w_gate_up.dtype != w_down.dtype or w_gate_up.dtype not in (_FP8, _BF):
+        raise ValueError(f"weights must both be float8_e4m3fn (with block scales) or both bfloat16 "
+                         f"(no scales), got {w_gate_up.dtype}, {w_down.dtype}")
     if D % BLOCK or F % BLOCK:
-        raise ValueError(f"D={D} and F={F} must be multiples of {BLOCK} (the fp8 scale block)")
+        raise ValueError(f"D={D} and F={F} must be multiples of {BLOCK} (the fp8 scale block and "
+                         "the K chunk of both kernels)")
     nd, nf = D // BLOCK, F // BLOCK
-    if gu_scale.shape != (E, 2, nd, nf) or down_scale.shape != (E, nf, nd):
-        raise ValueError(f"scales {gu_scale.shape}, {down_scale.shape} must be {(E, 2, nd, nf)}, "
+    if not fp8:
+        if gu_scale is not None or down_scale is not None:
+            raise ValueError("bfloat16 weights take no scales: pass gu_scale=None, down_scale=None")
+    elif gu_scale is None or down_scale is None or gu_scale.shape != (E, 2, nd, nf) \
+            or down_scale.shape != (E, nf, nd):
+        shapes = [None if a is None else a.shape for a in (gu_scale, down_scale)]
+        raise ValueError(f"fp8 scales {shapes[0]}, {shapes[1]} must be {(E, 2, nd, nf)}, "
                          f"{(E, nf, nd)} (128 x 128 blocks)")
 
     uniq, wu = dedupe_experts(idx, w, E)                                # [U], [U, M]
-    safe = jnp.maximum(uniq, 0)
     xp = jnp.zeros((MAX_M, D), _BF).at[:M].set(x.astype(_BF))
-    su_gu = _pad_minor(jnp.swapaxes(gu_scale[safe].astype(_F32), -1, -2), 4)  # [U, 2, F/128, nd+]
-    su_d = _pad_minor(down_scale[safe].astype(_F32), 4)                  # [U, F/128, nd+]
-    act = _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret)              # [U, F, MAX_M]
-    yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, interpret)                       # [U, D, MAX_M]
+    su_gu = su_d = None
+    if fp8:          # the chosen experts' scales, D/128 axis minor, padded to 16 bytes
+        safe = jnp.maximum(uniq, 0)
+        su_gu = _pad_minor(jnp.swapaxes(gu_scale[safe].astype(_F32), -1, -2), 4)  # [U, 2, F/128, nd+]
+        su_d = _pad_minor(down_scale[safe].astype(_F32), 4)                        # [U, F/128, nd+]
+    act = _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret)                  # [U, F, MAX_M]
+    yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, interpret)           # [U, D, MAX_M]
     return jnp.einsum("udm,um->md", yu[:, :, :M], wu).astype(x.dtype)
 
 
-def weight_bytes(n_experts_used: int, D: int, F: int) -> int:
-    """HBM bytes of fp8 weights + f32 scales the kernels read for `n_experts_used` experts."""
+def weight_bytes(n_experts_used: int, D: int, F: int, fp8: bool = True) -> int:
+    """HBM bytes of expert weights (fp8 + f32 scales, or bf16) the kernels read for
+    `n_experts_used` experts."""
+    if not fp8:
+        return n_experts_used * 3 * D * F * 2
     return n_experts_used * (3 * D * F + 3 * (D // BLOCK) * (F // BLOCK) * 4)

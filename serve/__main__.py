@@ -29,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-steps", type=int, default=16,
                     help="speculative steps per device chunk (streaming and cancellation granularity)")
     ap.add_argument("--mesh", default=None, help="split over devices: 'tp=N[,ep=M]' (default: one device)")
+    ap.add_argument("--kda-kernel", choices=["xla", "pallas"], default="xla",
+                    help="KDA recurrence for decode / verify / commit: XLA, or the fused Pallas kernel "
+                         "(NVIDIA Hopper GPU)")
+    ap.add_argument("--moe-kernel", choices=["xla", "pallas"], default="xla",
+                    help="routed experts of decode / verify calls (<= 16 tokens): XLA, or the Pallas "
+                         "expert kernel (NVIDIA Hopper GPU, bf16 or fp8 weights, not with --mesh)")
     ap.add_argument("--approx", default=None, metavar="MODES",
                     help="approximate speed modes, off by default (lingjax/approx.py): comma list of "
                          "expert_keep=X, bf16_router_head, bf16_kda_state, fp8_mla_cache")
@@ -71,7 +77,7 @@ def engine_factory(args):
         engine = load_engine(args.checkpoint, args.draft, dtype=args.dtype, spec=args.spec,
                              block_size=args.block_size, verify_policy=args.verify_policy,
                              chunk_steps=args.chunk_steps, max_context=args.max_context, mesh=args.mesh,
-                             approx=args.approx)
+                             kda_kernel=args.kda_kernel, moe_kernel=args.moe_kernel, approx=args.approx)
         tok = None
         if args.tokenizer_byte_level:
             from serve.testing import byte_level_tokenizer

@@ -421,7 +421,8 @@ def kda_kernel():
     """kda_kernel='pallas' on meshes 2x1, 1x2, 2x2 (float32 golden pair): greedy tokens with the
     kernel split per device (shard_map over heads) vs the XLA kernel on one device; the heads each
     kernel call sees; the sharded loop cross-lowered for CUDA with the real kernel."""
-    from lingjax.model.kda import pallas_cross_lowering, pallas_interpret, set_kda_kernel
+    from lingjax.model.kda import set_kda_kernel
+    from lingjax.model.kernels import pallas_cross_lowering, pallas_interpret
     from pallas_kernels import kda_decode
 
     def pair(kernel, mesh):

@@ -2,7 +2,7 @@
 the same float32 logits on both kernels for prefill + decode and for a pending verify + commit.
 
 Off-GPU the Pallas kernel runs in Mosaic GPU interpret mode (the forwards are traced inside
-`lingjax.model.kda.pallas_interpret()`); on a GPU (JAX_PLATFORMS=cuda) the same tests run it compiled.
+`lingjax.model.kernels.pallas_interpret()`); on a GPU (JAX_PLATFORMS=cuda) the same tests run it compiled.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from lingjax.cache import KDAState, init_cache
 from lingjax.engine import Engine
 from lingjax.generate import build_parser
 from lingjax.loader import LoadError, load_engine
-from lingjax.model.kda import KDA, KDAPending, KDAPendingPallas, pallas_interpret, set_kda_kernel
+from lingjax.model.kda import KDA, KDAPending, KDAPendingPallas, set_kda_kernel
+from lingjax.model.kernels import pallas_interpret
 from lingjax.model.ling import LingModel, commit
 from lingjax.spec_decode import SpecConfig
 
@@ -159,8 +160,6 @@ def test_loader_and_cli_flag():
         load_engine(LING_TINY, kda_kernel="cuda", quiet=True)
     with pytest.raises(LoadError, match="float64"):
         load_engine(LING_TINY, dtype="float64", kda_kernel="pallas", quiet=True)
-    with pytest.raises(LoadError, match="--mesh is not supported"):
-        load_engine(LING_TINY, dtype="float32", kda_kernel="pallas", mesh="tp=2", quiet=True)
     if jax.default_backend() != "gpu":
         with pytest.raises(LoadError, match="needs an NVIDIA Hopper GPU"):
             load_engine(LING_TINY, dtype="float32", kda_kernel="pallas", quiet=True)

@@ -1,11 +1,13 @@
 """Tests for the batch-1 routed-expert MoE kernel (pallas_kernels/moe_experts.py).
 
-On CPU: (1) the XLA dedupe prologue; (2) Mosaic GPU interpret mode with race detection vs
-lingjax.ops.moe.experts_gather on block-fp8 weights (lingjax.quant.Fp8Weight) at small shapes:
-shared experts, all tokens on the same experts, several fp8 scale blocks with very different
-scales, the SwiGLU clamp, and unselected experts poisoned with NaN (never read); (3) cross-lowering
-for CUDA at the Ling shape. On a GPU (``JAX_PLATFORMS=cuda``; skipped elsewhere): the compiled
-kernel at the Ling shape vs experts_gather. Speed: bench/moe_kernel_timing.py.
+On CPU: (1) the XLA dedupe prologue (zero-weight slots not counted); (2) Mosaic GPU interpret
+mode with race detection vs lingjax.ops.moe.experts_gather on block-fp8 weights
+(lingjax.quant.Fp8Weight) and on bf16 weights at small shapes: shared experts, all tokens on the
+same experts, several fp8 scale blocks with very different scales, the SwiGLU clamp, unselected
+experts poisoned with NaN (never read), and experts chosen only with combine weight 0 poisoned
+too (skipped); (3) cross-lowering for CUDA at the Ling shape, fp8 and bf16. On a GPU
+(``JAX_PLATFORMS=cuda``; skipped elsewhere): the compiled kernel at the Ling shape vs
+experts_gather. Speed: bench/moe_kernel_timing.py.
 """
 
 import jax
@@ -37,14 +39,17 @@ def _assert_no_race_flagged():
         assert not gpu_callbacks.get_races().races_found, "interpret mode detected a race"
 
 
-def _weights(E, D, F, seed=0):
+def _weights(E, D, F, seed=0, kind="fp8"):
     """Random block-fp8 expert weights: fp8 values in +-~8, scales spanning 2**-12..2**-4 so a
-    block read with another block's scale is off by up to 256x."""
+    block read with another block's scale is off by up to 256x. kind="bf16": the same weights
+    dequantised to plain bf16 arrays, scales None (the kernel's bf16 entry)."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     vgu = (2.0 * jax.random.normal(ks[0], (E, D, 2, F), F32)).astype(FP8)
     vd = (2.0 * jax.random.normal(ks[1], (E, F, D), F32)).astype(FP8)
     sgu = 2.0 ** jax.random.randint(ks[2], (E, 2, D // 128, F // 128), -12, -4).astype(F32)
     sd = 2.0 ** jax.random.randint(ks[3], (E, F // 128, D // 128), -12, -4).astype(F32)
+    if kind == "bf16":
+        return _fp8(vgu, sgu, GU_VIEW)[...], None, _fp8(vd, sd, DOWN_VIEW)[...], None
     return vgu, sgu, vd, sd
 
 
@@ -54,9 +59,24 @@ def _fp8(values, scale, view, dtype=BF16):
 
 
 def _reference(x, idx, w, vgu, sgu, vd, sd, limit=None, dtype=BF16):
-    """experts_gather on the same fp8 weights, computing in `dtype` (bf16: the model's path)."""
-    return experts_gather(x.astype(dtype), idx, w, _fp8(vgu, sgu, GU_VIEW, dtype),
-                          _fp8(vd, sd, DOWN_VIEW, dtype), limit).astype(F32)
+    """experts_gather on the same fp8 (or bf16: sgu None) weights, computing in `dtype` (bf16:
+    the model's path)."""
+    if sgu is None:
+        gu, d = vgu.astype(dtype), vd.astype(dtype)
+    else:
+        gu, d = _fp8(vgu, sgu, GU_VIEW, dtype), _fp8(vd, sd, DOWN_VIEW, dtype)
+    return experts_gather(x.astype(dtype), idx, w, gu, d, limit).astype(F32)
+
+
+def _poison(bad, vgu, sgu, vd, sd):
+    """NaN in every weight (and scale) of the experts where bad [E] is True."""
+    nan = jnp.asarray(np.float32("nan")).astype(vgu.dtype)
+    vgu = jnp.where(bad[:, None, None, None], nan, vgu)
+    vd = jnp.where(bad[:, None, None], nan, vd)
+    if sgu is not None:
+        sgu = jnp.where(bad[:, None, None, None], jnp.nan, sgu)
+        sd = jnp.where(bad[:, None, None], jnp.nan, sd)
+    return vgu, sgu, vd, sd
 
 
 def _routing(M, k, E, mode, seed=0):
@@ -93,40 +113,73 @@ def test_dedupe_experts():
     np.testing.assert_allclose(np.asarray(wu), [[1] * 5, [1] * 5, [0] * 5, [0] * 5])
 
 
-# (M, D, F, mode, limit): small shapes; D = 256 is 2 scale blocks, F = 256 is 2 blocks / 4 tiles
+def test_dedupe_skips_zero_weight_slots():
+    """A slot with combine weight exactly 0 does not count: 9 (only chosen with weight 0) is
+    dropped; 2 stays (token 0 chose it with weight 0.2, token 1 with 0)."""
+    idx = jnp.asarray([[5, 2, 9], [2, 7, 5]], jnp.int32)
+    w = jnp.asarray([[0.1, 0.2, 0.0], [-0.0, 0.5, 0.6]], F32)
+    uniq, wu = dedupe_experts(idx, w, 16)
+    np.testing.assert_array_equal(np.asarray(uniq), [2, 5, 7, -1, -1, -1])
+    np.testing.assert_allclose(np.asarray(wu), [[0.2, 0], [0.1, 0.6], [0, 0.5], [0, 0], [0, 0], [0, 0]],
+                               rtol=1e-6)
+    uniq, wu = dedupe_experts(idx, jnp.zeros_like(w), 16)          # nothing to run at all
+    np.testing.assert_array_equal(np.asarray(uniq), [-1] * 6)
+    assert not np.asarray(wu).any()
+
+
+# (M, D, F, mode, limit, kind): small shapes; D = 256 is 2 scale blocks, F = 256 is 2 blocks / 4 tiles
 CASES = [
-    (1, 256, 128, "independent", None),
-    (3, 256, 256, "overlap", None),
-    (9, 256, 128, "same", None),
-    (9, 384, 128, "overlap", 0.02),
+    (1, 256, 128, "independent", None, "fp8"),
+    (3, 256, 256, "overlap", None, "fp8"),
+    (9, 256, 128, "same", None, "fp8"),
+    (9, 384, 128, "overlap", 0.02, "fp8"),
+    (3, 256, 256, "overlap", None, "bf16"),
+    (9, 384, 128, "overlap", 0.02, "bf16"),
 ]
 
 
-@pytest.mark.parametrize("M,D,F,mode,limit", CASES)
-def test_interpret_matches_experts_gather(M, D, F, mode, limit):
+@pytest.mark.parametrize("M,D,F,mode,limit,kind", CASES)
+def test_interpret_matches_experts_gather(M, D, F, mode, limit, kind):
     E, k = 16, 4
-    vgu, sgu, vd, sd = _weights(E, D, F, seed=M + D + F)
+    weights = _weights(E, D, F, seed=M + D + F, kind=kind)
     idx, w = _routing(M, k, E, mode, seed=M)
     x = jax.random.normal(jax.random.PRNGKey(M), (M, D), F32).astype(BF16)
-    ref = _reference(x, idx, w, vgu, sgu, vd, sd, limit)
+    ref = _reference(x, idx, w, *weights, limit)
     if limit:   # the clamp must be active for this case to test it
-        h = _reference(x, idx, w, vgu, sgu, vd, sd, None)
+        h = _reference(x, idx, w, *weights, None)
         assert np.abs(np.asarray(h) - np.asarray(ref)).max() > 0.1 * np.abs(np.asarray(ref)).max()
     # poison every unselected expert (values and scales): reading one would give NaN
     chosen = np.zeros(E, bool)
     chosen[np.asarray(idx).ravel()] = True
-    bad = jnp.asarray(~chosen)
-    nan8 = jnp.asarray(np.float32("nan")).astype(FP8)
-    vgu_p = jnp.where(bad[:, None, None, None], nan8, vgu)
-    vd_p = jnp.where(bad[:, None, None], nan8, vd)
-    sgu_p = jnp.where(bad[:, None, None, None], jnp.nan, sgu)
-    sd_p = jnp.where(bad[:, None, None], jnp.nan, sd)
-    out = moe_experts_pallas(x, idx, w, vgu_p, sgu_p, vd_p, sd_p, limit, interpret=INTERPRET)
+    out = moe_experts_pallas(x, idx, w, *_poison(jnp.asarray(~chosen), *weights), limit, interpret=INTERPRET)
     out = jax.block_until_ready(out)
     _assert_no_race_flagged()
     assert out.shape == (M, D) and out.dtype == BF16
     _check(out, ref, 2e-2)                                   # bf16 rounding of h, act, y differ
-    _check(out, _reference(x, idx, w, vgu, sgu, vd, sd, limit, dtype=F32), 2e-2)
+    _check(out, _reference(x, idx, w, *weights, limit, dtype=F32), 2e-2)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_interpret_skips_zero_weight_experts(kind):
+    """Experts chosen only with combine weight 0 are never read (poisoned with NaN, the output
+    stays finite and equals the reference on clean weights); a token whose weights are all 0 gets
+    0; a 0-weight slot duplicating another token's expert (what expert_keep produces) is harmless."""
+    E, k, D, F = 16, 4, 256, 128
+    weights = _weights(E, D, F, seed=7, kind=kind)
+    idx = jnp.asarray([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 1, 10]], jnp.int32)
+    w = jnp.asarray([[0.5, 0.3, 0.0, 0.2],           # expert 2: weight 0 only
+                     [0.0, 0.0, 0.0, 0.0],           # token 1: nothing (4..7 never read)
+                     [0.7, 0.0, 0.0, 0.3]], F32)     # 9: weight 0 only; 1: 0 here, > 0 for token 0
+    x = jax.random.normal(jax.random.PRNGKey(7), (3, D), F32).astype(BF16)
+    ref = _reference(x, idx, w, *weights)
+    assert np.isfinite(np.asarray(ref)).all() and not np.asarray(ref)[1].any()
+    read = np.zeros(E, bool)
+    read[[0, 1, 3, 8, 10]] = True
+    out = moe_experts_pallas(x, idx, w, *_poison(jnp.asarray(~read), *weights), interpret=INTERPRET)
+    out = jax.block_until_ready(out)
+    _assert_no_race_flagged()
+    _check(out, ref, 2e-2)
+    assert not np.asarray(out)[1].any()
 
 
 def test_rejects_bad_inputs():
@@ -135,19 +188,33 @@ def test_rejects_bad_inputs():
     idx, w = jnp.zeros((17, 2), jnp.int32), jnp.ones((17, 2), F32)
     with pytest.raises(ValueError, match="M=17"):
         moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, interpret=INTERPRET)
-    with pytest.raises(ValueError, match="float8_e4m3fn"):
-        moe_experts_pallas(x[:2], idx[:2], w[:2], vgu.astype(BF16), sgu, vd, sd, interpret=INTERPRET)
+    x, idx, w = x[:2], idx[:2], w[:2]
+    with pytest.raises(ValueError, match="float8_e4m3fn"):                     # mixed dtypes
+        moe_experts_pallas(x, idx, w, vgu.astype(BF16), sgu, vd, sd, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="or both bfloat16"):                  # float32 weights
+        moe_experts_pallas(x, idx, w, vgu.astype(F32), None, vd.astype(F32), None, interpret=INTERPRET)
     with pytest.raises(ValueError, match="scales"):
-        moe_experts_pallas(x[:2], idx[:2], w[:2], vgu, sgu[:, :, :1], vd, sd, interpret=INTERPRET)
+        moe_experts_pallas(x, idx, w, vgu, sgu[:, :, :1], vd, sd, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="scales"):                            # fp8 without scales
+        moe_experts_pallas(x, idx, w, vgu, None, vd, None, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="take no scales"):
+        moe_experts_pallas(x, idx, w, vgu.astype(BF16), sgu, vd.astype(BF16), sd, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        moe_experts_pallas(x[:, :64], idx, w, vgu[:, :64].astype(BF16), None, vd[..., :64].astype(BF16), None,
+                           interpret=INTERPRET)
 
 
 def test_weight_bytes():
     assert weight_bytes(8, 2560, 768) == 8 * (3 * 2560 * 768 + 3 * 20 * 6 * 4)
+    assert weight_bytes(8, 2560, 768, fp8=False) == 8 * 3 * 2560 * 768 * 2
 
 
-def _ling_abstract(M):
+def _ling_abstract(M, kind="fp8"):
     E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
     S = jax.ShapeDtypeStruct
+    if kind == "bf16":
+        return (S((M, D), BF16), S((M, k), jnp.int32), S((M, k), F32),
+                S((E, D, 2, F), BF16), None, S((E, F, D), BF16), None)
     return (S((M, D), BF16), S((M, k), jnp.int32), S((M, k), F32),
             S((E, D, 2, F), FP8), S((E, 2, D // 128, F // 128), F32),
             S((E, F, D), FP8), S((E, F // 128, D // 128), F32))
@@ -155,38 +222,58 @@ def _ling_abstract(M):
 
 # Cross-lowering runs the real Mosaic GPU lowering (layout inference, MLIR verification, SMEM
 # budget) on this CPU host. It does NOT run ptxas: registers, spills and speed need the H200.
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("M,limit", [(1, None), (9, 7.0), (16, None)])
-def test_cross_lowers_for_cuda_ling_shape(M, limit):
+def test_cross_lowers_for_cuda_ling_shape(M, limit, kind):
     f = jax.jit(lambda *a: moe_experts_pallas(*a, limit=limit))
-    text = f.trace(*_ling_abstract(M)).lower(lowering_platforms=("cuda",)).as_text()
+    text = f.trace(*_ling_abstract(M, kind)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2                     # both kernels are Mosaic GPU calls
 
 
 # ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
 @gpu_only
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("mode", ["independent", "same"])
 @pytest.mark.parametrize("M", [1, 9, 16])
-def test_gpu_ling_shape_matches_experts_gather(M, mode):
+def test_gpu_ling_shape_matches_experts_gather(M, mode, kind):
     E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
-    vgu, sgu, vd, sd = _weights(E, D, F, seed=1)
+    weights = _weights(E, D, F, seed=1, kind=kind)
     idx, w = _routing(M, k, E, mode, seed=M)
     x = jax.random.normal(jax.random.PRNGKey(M), (M, D), F32).astype(BF16)
-    out = jax.jit(moe_experts_pallas)(x, idx, w, vgu, sgu, vd, sd)
-    ref = jax.jit(_reference)(x, idx, w, vgu, sgu, vd, sd)
+    out = jax.jit(moe_experts_pallas)(x, idx, w, *weights)
+    ref = jax.jit(_reference)(x, idx, w, *weights)
     _check(out, ref, 2e-2)
-    _check(out, jax.jit(_reference, static_argnames=("limit", "dtype"))(
-        x, idx, w, vgu, sgu, vd, sd, dtype=F32), 2e-2)
+    _check(out, jax.jit(_reference, static_argnames=("limit", "dtype"))(x, idx, w, *weights, dtype=F32), 2e-2)
 
 
 @gpu_only
-def test_gpu_ling_shape_clamp():
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_gpu_ling_shape_clamp(kind):
     E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
-    vgu, sgu, vd, sd = _weights(E, D, F, seed=2)
+    weights = _weights(E, D, F, seed=2, kind=kind)
     idx, w = _routing(9, k, E, "overlap", seed=3)
     x = jax.random.normal(jax.random.PRNGKey(3), (9, D), F32).astype(BF16)
     f = jax.jit(lambda *a: moe_experts_pallas(*a, limit=0.02))
-    ref = jax.jit(lambda *a: _reference(*a, limit=0.02))(x, idx, w, vgu, sgu, vd, sd)
-    _check(f(x, idx, w, vgu, sgu, vd, sd), ref, 2e-2)
+    ref = jax.jit(lambda *a: _reference(*a, limit=0.02))(x, idx, w, *weights)
+    _check(f(x, idx, w, *weights), ref, 2e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_gpu_ling_shape_skips_zero_weight_experts(kind):
+    """Half of each token's slots get weight 0 and point at experts no one else chose, which are
+    poisoned with NaN: the compiled kernel must not read them."""
+    E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
+    weights = _weights(E, D, F, seed=4, kind=kind)
+    idx, w = _routing(9, k, E, "independent", seed=5)
+    zero = np.zeros((9, k), bool)
+    zero[:, k // 2:] = True
+    w = jnp.where(jnp.asarray(zero), 0.0, w)
+    live = np.zeros(E, bool)
+    live[np.asarray(idx)[~zero]] = True
+    x = jax.random.normal(jax.random.PRNGKey(5), (9, D), F32).astype(BF16)
+    out = jax.jit(moe_experts_pallas)(x, idx, w, *_poison(jnp.asarray(~live), *weights))
+    _check(out, jax.jit(_reference)(x, idx, w, *weights), 2e-2)
 
 
 def test_timing_entry_point_cpu_smoke(tmp_path):
@@ -199,3 +286,14 @@ def test_timing_entry_point_cpu_smoke(tmp_path):
     assert r["finite"] and r["max_abs_err"] <= 2e-2 * r["ref_max"]
     assert r["bytes"] == r["n_experts_used"] * (3 * 256 * 128 + 3 * 2 * 1 * 4)
     assert len(list(tmp_path.glob("moe_kernel_timing-*.json"))) == 1
+
+
+def test_timing_entry_point_bf16_cpu_smoke(tmp_path):
+    from bench.moe_kernel_timing import main
+    rec = main(["--interpret", "--weights", "bf16", "--M", "3", "--E", "8", "--D", "128", "--F", "128",
+                "--k", "2", "--iters", "1", "--warmup", "1", "--no-xla-defaults", "--out-dir", str(tmp_path)])
+    (r,) = rec["results"]
+    assert rec["weights"] == r["weights"] == "bf16"
+    assert "kernel_error" not in r and "gather_error" not in r, r
+    assert r["finite"] and r["max_abs_err"] <= 2e-2 * r["ref_max"]
+    assert r["bytes"] == r["n_experts_used"] * 3 * 128 * 128 * 2

@@ -11,26 +11,24 @@ The recurrence runs on one of two kernels (``kda_kernel``, XLA by default):
            beta = 0 past the accepted prefix: exact identity updates in the kernel). Prefill and
            any other T > 1 forward stay on kda_chunked. Needs an NVIDIA Hopper GPU, float32
            accumulation (a bfloat16 / float32 model) and head_dim % 64 == 0. On a CPU backend it
-           only runs in interpret mode, when traced inside ``pallas_interpret()`` (tests). On a
-           device mesh (traced inside ``kernel_mesh(mesh)``, as the Decoder does for sharded
+           only runs in interpret mode, when traced inside ``kernels.pallas_interpret()`` (tests). On a
+           device mesh (traced inside ``kernels.kernel_mesh(mesh)``, as the Decoder does for sharded
            params) each device runs the kernel on its own heads under ``jax.shard_map``: heads are
            split over 'tp' like the KDA parameters and state, every other mesh axis replicates.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
 from lingjax.cache import KDAState
 from lingjax.config import LingConfig
+from lingjax.model import kernels
 from lingjax.model.common import acc_dtype, param, rms_norm
 from lingjax.ops import kda as kda_ops
 from pallas_kernels import kda_decode
@@ -77,57 +75,13 @@ def set_kda_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
     return model
 
 
-_INTERPRET: contextvars.ContextVar = contextvars.ContextVar("kda_pallas_interpret", default=None)
-_MESH: contextvars.ContextVar = contextvars.ContextVar("kda_pallas_mesh", default=None)
-
-
-@contextlib.contextmanager
-def pallas_interpret(params=None):
-    """kda_kernel='pallas' layers traced inside this block run the kernel in Mosaic GPU interpret
-    mode (`params`: a plgpu.InterpretGPUParams, default plain) — how CPU tests run the Pallas path.
-    Only tracing sees it: a function jitted earlier keeps the mode it was traced with."""
-    token = _INTERPRET.set(params if params is not None else plgpu.InterpretGPUParams())
-    try:
-        yield
-    finally:
-        _INTERPRET.reset(token)
-
-
-@contextlib.contextmanager
-def pallas_cross_lowering():
-    """kda_kernel='pallas' layers traced inside this block emit the compiled Mosaic GPU kernel even
-    off-GPU, for `.lower(lowering_platforms=("cuda",))` checks on a CPU host (nothing can run)."""
-    token = _INTERPRET.set(False)
-    try:
-        yield
-    finally:
-        _INTERPRET.reset(token)
-
-
-@contextlib.contextmanager
-def kernel_mesh(mesh):
-    """kda_kernel='pallas' layers traced inside this block split the kernel over `mesh` (a
-    jax.sharding.Mesh with a 'tp' axis, or None = one device) with shard_map: each device runs its
-    own heads. Like `pallas_interpret`, only tracing sees it."""
-    token = _MESH.set(mesh if mesh is not None and mesh.size > 1 else None)
-    try:
-        yield
-    finally:
-        _MESH.reset(token)
-
-
 def _pallas(fn, *args, head_axes, out_head_axes):
     """Call a kda_decode kernel: compiled on a GPU, interpreted inside `pallas_interpret`, and under
     `kernel_mesh(mesh)` split over the mesh's 'tp' axis by heads. `head_axes`: the heads dim of
     each arg (None: a replicated scalar); `out_head_axes`: (ndim, heads dim) of each output, or one
     such pair for a single output."""
-    interpret = _INTERPRET.get()
-    if interpret is None and jax.default_backend() != "gpu":
-        raise ValueError(f"kda_kernel='pallas' runs a Mosaic GPU kernel, which needs an NVIDIA Hopper GPU; "
-                         f"the backend is {jax.default_backend()!r}. Use kda_kernel='xla' (tests on CPU trace "
-                         "the model inside lingjax.model.kda.pallas_interpret()).")
-    call = functools.partial(fn, interpret=interpret or False)
-    mesh = _MESH.get()
+    call = functools.partial(fn, interpret=kernels.interpret_arg("kda_kernel"))
+    mesh = kernels.current_mesh()
     if mesh is None:
         return call(*args)
     heads = args[0].shape[head_axes[0]]

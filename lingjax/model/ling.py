@@ -16,14 +16,14 @@ from lingjax.config import LingConfig
 from lingjax.model.common import RMSNorm, acc_dtype, param
 from lingjax.model.kda import KDA, check_kda_kernel, commit_prefix
 from lingjax.model.mla import GatedMLA
-from lingjax.model.mlp import DenseMLP, MoE
+from lingjax.model.mlp import DenseMLP, MoE, check_moe_kernel
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: h += attn(norm(h)); h += mlp(norm(h))."""
 
     def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs, kind: str | None = None,
-                 kda_kernel: str = "xla"):
+                 kda_kernel: str = "xla", moe_kernel: str = "xla"):
         self.kind = kind or ("mla" if cfg.is_mla_layer(layer) else "kda")
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if self.kind == "mla":
@@ -32,7 +32,7 @@ class DecoderLayer(nnx.Module):
             self.attn = KDA(cfg, dtype=dtype, rngs=rngs, kda_kernel=kda_kernel)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if cfg.is_moe_layer(layer):
-            self.mlp = MoE(cfg, layer, dtype=dtype, rngs=rngs)
+            self.mlp = MoE(cfg, layer, dtype=dtype, rngs=rngs, moe_kernel=moe_kernel)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
@@ -50,12 +50,13 @@ class DecoderLayer(nnx.Module):
 class MTPLayer(nnx.Module):
     """NEXTN layer: x = eh_proj([enorm(embed(tok_{t+1})); hnorm(h_t)]) -> MLA+MoE block -> final norm."""
 
-    def __init__(self, cfg: LingConfig, *, dtype, rngs):
+    def __init__(self, cfg: LingConfig, *, dtype, rngs, moe_kernel: str = "xla"):
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.eh_proj = param(rngs, (2 * d, d), (None, "embed"), dtype, std=(2 * d) ** -0.5)
-        self.block = DecoderLayer(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs, kind="mla")
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers, dtype=dtype, rngs=rngs, kind="mla",
+                                  moe_kernel=moe_kernel)
         self.final_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
 
     def __call__(self, h_final, next_embeds, cache: MLAState, pos):
@@ -76,23 +77,27 @@ class ForwardOut(NamedTuple):
 
 class LingModel(nnx.Module):
     def __init__(self, cfg: LingConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None, with_mtp: bool | None = None,
-                 kda_kernel: str = "xla", approx: ApproxModes = ApproxModes()):
+                 kda_kernel: str = "xla", moe_kernel: str = "xla", approx: ApproxModes = ApproxModes()):
         """kda_kernel: 'xla' (default) | 'pallas': the KDA recurrence kernel (lingjax/model/kda.py).
+        moe_kernel: 'xla' (default) | 'pallas': the routed-expert kernel of calls of <= 16 tokens
+        (lingjax/model/mlp.py); after lingjax.quant.quantize_model, or to switch a loaded model,
+        use lingjax.model.mlp.set_moe_kernel (it also checks the expert weights' dtype).
         approx: optional approximate speed modes (lingjax/approx.py), all off by default; caches
         for this model come from `self.init_cache` (storage dtypes follow the modes)."""
         check_kda_kernel(kda_kernel)
+        check_moe_kernel(moe_kernel)
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg = cfg
         self.dtype = dtype
         d, v = cfg.hidden_size, cfg.vocab_size
         self.embed = param(rngs, (v, d), ("vocab", "embed"), dtype, std=1.0)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, kda_kernel=kda_kernel)
-                                for i in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, kda_kernel=kda_kernel,
+                                             moe_kernel=moe_kernel) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = param(rngs, (d, v), ("embed", "vocab"), dtype, std=d ** -0.5)
         if with_mtp is None:
             with_mtp = cfg.num_nextn_predict_layers > 0
-        self.mtp = MTPLayer(cfg, dtype=dtype, rngs=rngs) if with_mtp else None
+        self.mtp = MTPLayer(cfg, dtype=dtype, rngs=rngs, moe_kernel=moe_kernel) if with_mtp else None
         set_approx(self, approx)
 
     def init_cache(self, batch: int, max_len: int, *, with_mtp: bool | None = None) -> LingCache:

@@ -1,4 +1,20 @@
-"""Feed-forward blocks: the dense SwiGLU MLP (first layers, shared expert) and the routed MoE."""
+"""Feed-forward blocks: the dense SwiGLU MLP (first layers, shared expert) and the routed MoE.
+
+The routed experts run on one of two kernels (``moe_kernel``, XLA by default):
+  "xla"    lingjax.ops.moe everywhere: experts_gather below MOE_GATHER_MAX_TOKENS tokens,
+           experts_sorted_blocks above.
+  "pallas" the Mosaic GPU expert kernel (pallas_kernels/moe_experts.py) for calls of at most
+           16 tokens (decode, a speculative verify block); prefill stays on XLA, and so do the
+           router and the shared expert. Streams block-fp8 (Fp8Weight, 128 x 128 blocks) or
+           bfloat16 expert weights, each chosen expert once per call, and skips slots whose
+           combine weight is 0 (ApproxModes.expert_keep). Computes in bf16 with float32
+           accumulation whatever the model dtype (a float32 model's fp8 weights dequantise to
+           bf16, not f32). Needs an NVIDIA Hopper GPU, hidden and expert intermediate sizes that
+           are multiples of 128, and a bfloat16 / float32 model; float32 (unquantised) expert
+           weights are refused. On a CPU backend it only runs in interpret mode, traced inside
+           ``lingjax.model.kernels.pallas_interpret()`` (the one interpret switch of the model's
+           Pallas kernels). Not split over devices: lingjax.loader refuses it with a mesh.
+"""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -6,11 +22,74 @@ from flax import nnx
 
 from lingjax.approx import ApproxModes
 from lingjax.config import LingConfig
-from lingjax.model.common import param
+from lingjax.model import kernels
+from lingjax.model.common import acc_dtype, param
 from lingjax.ops import moe as moe_ops
+from lingjax.param_layout import Matrix
+from lingjax.quant import Fp8Weight
+from pallas_kernels import moe_experts
 
 # Token counts at or above this use the sorted-block expert path (prefill); below it, gather.
 MOE_GATHER_MAX_TOKENS = 64
+MOE_KERNELS = ("xla", "pallas")
+_GU_VIEW, _DOWN_VIEW = Matrix((0, 2), (1,), (3,)), Matrix((0,), (1,), (2,))   # kernel's fp8 layouts
+
+
+def check_moe_kernel(kernel: str, cfg: LingConfig | None = None, dtype=None) -> str:
+    """Validate a moe_kernel value (and, given cfg / dtype, that the Pallas kernel supports them)."""
+    if kernel not in MOE_KERNELS:
+        raise ValueError(f"moe_kernel must be one of {', '.join(map(repr, MOE_KERNELS))}, got {kernel!r}")
+    if kernel == "pallas":
+        b = moe_experts.BLOCK
+        if cfg is not None and (cfg.hidden_size % b or cfg.moe_intermediate_size % b):
+            raise ValueError(f"moe_kernel='pallas' needs hidden_size and moe_intermediate_size that are "
+                             f"multiples of {b}, got {cfg.hidden_size} and {cfg.moe_intermediate_size}; "
+                             "use moe_kernel='xla'")
+        if dtype is not None and acc_dtype(dtype) != jnp.float32:
+            raise ValueError(f"moe_kernel='pallas' accumulates in float32; a {jnp.dtype(dtype).name} model "
+                             "(float64 accumulation) needs moe_kernel='xla'")
+    return kernel
+
+
+def expert_kernel_weights(w_gate_up, w_down):
+    """(w_gate_up, gu_scale, w_down, down_scale) arrays for moe_experts_pallas from a MoE's expert
+    Params (bfloat16; scales None) or Fp8Weights (values + scale_inv in the kernel's layout).
+    Raises ValueError, saying what to do, for anything else."""
+    if isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight):
+        for w, view in ((w_gate_up, _GU_VIEW), (w_down, _DOWN_VIEW)):
+            if w.block != (moe_experts.BLOCK,) * 2 or w.view != view:
+                raise ValueError(f"moe_kernel='pallas' needs 128 x 128 fp8 blocks in the published layout, "
+                                 f"got block {w.block}, view {w.view}; use moe_kernel='xla'")
+        return (w_gate_up.values.get_value(), w_gate_up.scale_inv.get_value(),
+                w_down.values.get_value(), w_down.scale_inv.get_value())
+    if isinstance(w_gate_up, Fp8Weight) or isinstance(w_down, Fp8Weight):
+        raise ValueError("moe_kernel='pallas' needs both expert weights fp8 or both bfloat16, got one of each")
+    gu, d = (w.get_value() if isinstance(w, nnx.Variable) else w[...] for w in (w_gate_up, w_down))
+    if gu.dtype != jnp.bfloat16 or d.dtype != jnp.bfloat16:
+        raise ValueError(f"moe_kernel='pallas' streams block-fp8 or bfloat16 expert weights, got "
+                         f"{jnp.dtype(gu.dtype).name}: quantise the model (lingjax.quant.quantize_model), "
+                         "load it in bfloat16, or use moe_kernel='xla'")
+    return gu, None, d, None
+
+
+def set_moe_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
+    """Switch every MoE layer of `model` (e.g. one built by a checkpoint loader, after any fp8
+    quantisation) to `kernel`, in place; call it before the model is split / jitted (the choice is
+    static). For 'pallas' the expert weights are checked too. Returns `model`."""
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, MoE):
+            m.moe_kernel = check_moe_kernel(kernel, m.cfg, m.expert_bias.get_value().dtype)   # acc dtype
+            if kernel == "pallas":
+                expert_kernel_weights(m.w_gate_up, m.w_down)
+    return model
+
+
+def _pallas_experts(xf, idx, w, w_gate_up, w_down, limit):
+    """moe_experts_pallas on the MoE's weights: compiled on a GPU, interpreted inside
+    lingjax.model.kernels.pallas_interpret() (CPU tests)."""
+    interpret = kernels.interpret_arg("moe_kernel")
+    gu, gu_scale, d, d_scale = expert_kernel_weights(w_gate_up, w_down)
+    return moe_experts.moe_experts_pallas(xf, idx, w, gu, gu_scale, d, d_scale, limit, interpret=interpret)
 
 
 class DenseMLP(nnx.Module):
@@ -29,12 +108,15 @@ class DenseMLP(nnx.Module):
 
 class MoE(nnx.Module):
     """Sigmoid group-limited router + routed experts (stacked [E, ...]) + one unscaled shared expert.
-    `approx` (lingjax/approx.py): expert_keep and bf16_router_head change the routing; off by default."""
+    `approx` (lingjax/approx.py): expert_keep and bf16_router_head change the routing; off by default.
+    `moe_kernel`: 'xla' | 'pallas' for the routed experts of calls of <= 16 tokens (module docstring)."""
 
-    def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs, approx: ApproxModes = ApproxModes()):
+    def __init__(self, cfg: LingConfig, layer: int, *, dtype, rngs, approx: ApproxModes = ApproxModes(),
+                 moe_kernel: str = "xla"):
         d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.cfg = cfg
         self.approx = approx
+        self.moe_kernel = check_moe_kernel(moe_kernel, cfg, dtype)
         self.limit = cfg.swiglu_limit(layer, shared=False)
         self.router = param(rngs, (d, e), ("embed", None), dtype, std=d ** -0.5)
         self.expert_bias = param(None, (e,), (None,), jnp.promote_types(dtype, jnp.float32), init="zeros")
@@ -53,6 +135,9 @@ class MoE(nnx.Module):
                                norm_topk_prob=cfg.norm_topk_prob,
                                routed_scaling_factor=cfg.routed_scaling_factor,
                                expert_keep=self.approx.expert_keep, bf16_logits=self.approx.bf16_router_head)
-        experts = moe_ops.experts_gather if b * t < MOE_GATHER_MAX_TOKENS else moe_ops.experts_sorted_blocks
-        routed = experts(xf, idx, w, self.w_gate_up, self.w_down, self.limit)   # Param or Fp8Weight
+        if self.moe_kernel == "pallas" and b * t <= moe_experts.MAX_M:
+            routed = _pallas_experts(xf, idx, w, self.w_gate_up, self.w_down, self.limit)
+        else:
+            experts = moe_ops.experts_gather if b * t < MOE_GATHER_MAX_TOKENS else moe_ops.experts_sorted_blocks
+            routed = experts(xf, idx, w, self.w_gate_up, self.w_down, self.limit)   # Param or Fp8Weight
         return (routed + self.shared(xf)).reshape(b, t, d)

@@ -1,0 +1,59 @@
+"""How the model's opt-in Pallas kernels (kda_kernel / moe_kernel = 'pallas') are run: compiled on
+a GPU, in Mosaic GPU interpret mode inside `pallas_interpret()` (CPU tests), emitted for CUDA
+inside `pallas_cross_lowering()` (lowering checks on a CPU host), and split over a device mesh
+inside `kernel_mesh(mesh)` (the Decoder sets it for sharded params). Each is a context seen only
+while tracing: a function jitted earlier keeps what it was traced with."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_INTERPRET: contextvars.ContextVar = contextvars.ContextVar("pallas_interpret", default=None)
+_MESH: contextvars.ContextVar = contextvars.ContextVar("pallas_kernel_mesh", default=None)
+
+
+@contextlib.contextmanager
+def _setting(var: contextvars.ContextVar, value):
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def pallas_interpret(params=None):
+    """Kernels traced inside this block run in Mosaic GPU interpret mode (`params`: a
+    plgpu.InterpretGPUParams, default plain) — how CPU tests run the Pallas paths."""
+    return _setting(_INTERPRET, params if params is not None else plgpu.InterpretGPUParams())
+
+
+def pallas_cross_lowering():
+    """Kernels traced inside this block are emitted compiled even off-GPU, for
+    `.lower(lowering_platforms=("cuda",))` checks on a CPU host (nothing can run)."""
+    return _setting(_INTERPRET, False)
+
+
+def kernel_mesh(mesh):
+    """Kernels traced inside this block that know how to split (the KDA kernel, by heads over
+    'tp') run per device under shard_map on `mesh` (None or a one-device mesh: not split)."""
+    return _setting(_MESH, mesh if mesh is not None and mesh.size > 1 else None)
+
+
+def current_mesh():
+    """The mesh set by `kernel_mesh` (None: one device)."""
+    return _MESH.get()
+
+
+def interpret_arg(switch: str):
+    """The `interpret=` argument for a kernel call of the `switch` ('kda_kernel' / 'moe_kernel'):
+    False (compile) on a GPU or under pallas_cross_lowering, the params under pallas_interpret;
+    a ValueError saying what to do on any other backend."""
+    interpret = _INTERPRET.get()
+    if interpret is None and jax.default_backend() != "gpu":
+        raise ValueError(f"{switch}='pallas' runs a Mosaic GPU kernel, which needs an NVIDIA Hopper GPU; "
+                         f"the backend is {jax.default_backend()!r}. Use {switch}='xla' (tests on CPU trace "
+                         "the model inside lingjax.model.kernels.pallas_interpret()).")
+    return interpret or False

@@ -1,0 +1,230 @@
+"""The `moe_kernel` switch ('xla' default | 'pallas'): validation, and a small Ling model giving
+the same logits on both expert kernels for decode (T = 1) and a pending verify block (T = 9).
+
+The golden tiny config has moe_intermediate_size 32; the kernel needs hidden and expert sizes that
+are multiples of 128, so these tests use the golden tiny config with moe_intermediate_size=128
+(hidden_size is already 128) and random weights (`helpers.random_model`), not the golden weights.
+Off-GPU the kernel runs in Mosaic GPU interpret mode (forwards traced inside
+`lingjax.model.kernels.pallas_interpret()`); on a GPU (JAX_PLATFORMS=cuda) the same tests run it compiled.
+
+The kernel computes in bf16 (float32 accumulation) whatever the model dtype, so the float32
+comparisons allow bf16-sized differences; a bfloat16 model is compared against its float32 twin.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import LING_TINY
+from helpers import random_model, rel, tiny_config
+from lingjax.engine import Engine
+from lingjax.generate import build_parser
+from lingjax.loader import LoadError, load_engine
+from lingjax.model.kernels import pallas_interpret
+from lingjax.model.ling import LingModel
+from lingjax.model.mlp import MoE, set_moe_kernel
+from lingjax.quant import Fp8Weight, quantize_model
+from lingjax.spec_decode import SpecConfig
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+CFG = tiny_config(moe_intermediate_size=128)   # F = 32 -> 128: the kernel's tile constraint
+PROMPT = 20      # > 16 tokens: prefill stays on XLA with both switches
+VERIFY = 9       # a speculative verify block
+MAX_LEN = 64
+TOL = 2e-2       # float32 model: the kernel rounds x and the SwiGLU output to bf16 (observed ~5e-3)
+
+
+def kernel_mode():
+    """Interpret mode off-GPU (tests only); the compiled kernel on a GPU."""
+    if jax.default_backend() == "gpu":
+        return contextlib.nullcontext()
+    return pallas_interpret()
+
+
+def _moes(model):
+    return [m for _, m in nnx.iter_modules(model) if isinstance(m, MoE)]
+
+
+@functools.lru_cache(maxsize=None)
+def models(kind: str):
+    """(xla, pallas) twins with the same weights. kind: 'fp8' (float32 model, block-fp8 weights by
+    lingjax.quant.quantize_model), 'bf16_experts' (float32 model whose routed expert weights are
+    bfloat16), 'bf16' (bfloat16 model)."""
+    xla = random_model(CFG, dtype=BF16 if kind == "bf16" else F32, seed=0, with_mtp=True)
+    if kind == "fp8":
+        quantize_model(xla)
+    elif kind == "bf16_experts":
+        for m in _moes(xla):
+            for w in (m.w_gate_up, m.w_down):
+                w.set_value(w.get_value().astype(BF16))
+    pallas = set_moe_kernel(nnx.clone(xla), "pallas")
+    return xla, pallas
+
+
+def _ids():
+    return jnp.asarray(np.random.default_rng(0).integers(2, CFG.vocab_size, (1, PROMPT + VERIFY)), jnp.int32)
+
+
+def _forward(model, tokens, cache, **kw):
+    with kernel_mode():
+        return jax.jit(lambda t, c: model(t, c, **kw))(tokens, cache)
+
+
+@functools.lru_cache(maxsize=None)
+def runs(kind: str):
+    """Per model: prefill logits (T = PROMPT), decode logits (T = 1) and pending verify logits
+    (T = VERIFY) from the prefilled cache, and the verify forward's jaxpr text."""
+    ids = _ids()
+    out = []
+    for model in models(kind):
+        pre = _forward(model, ids[:, :PROMPT], model.init_cache(1, MAX_LEN))
+        dec = _forward(model, ids[:, PROMPT:PROMPT + 1], pre.cache)
+        ver = _forward(model, ids[:, PROMPT:], pre.cache, pending=True)
+        out.append(dict(prefill=np.asarray(pre.logits[0], np.float64), decode=np.asarray(dec.logits[0], np.float64),
+                        verify=np.asarray(ver.logits[0], np.float64), cache=pre.cache))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16_experts"])
+def test_decode_and_verify_logits_match(kind):
+    x, p = runs(kind)
+    np.testing.assert_array_equal(p["prefill"], x["prefill"])      # prefill is XLA on both
+    assert np.isfinite(p["decode"]).all() and np.isfinite(p["verify"]).all()
+    assert rel(p["decode"], x["decode"]) <= TOL
+    assert rel(p["verify"], x["verify"]) <= TOL
+    assert rel(p["verify"][0], p["decode"][0]) <= TOL               # same token, T = 9 vs T = 1
+
+
+def test_kernel_runs_only_for_decode_and_verify():
+    """The pallas model's T <= 16 forwards contain the expert kernels (their bodies' WGMMAs, in
+    interpret mode too); its T = 17 forward and the XLA model's forwards contain none."""
+    xla, pallas = models("fp8")
+    ids = _ids()
+    cache = pallas.init_cache(1, MAX_LEN)
+
+    def n_kernels(model, tokens):
+        with kernel_mode():
+            text = str(jax.make_jaxpr(lambda t, c: model(t, c))(tokens, cache))
+        return text.count("wgmma_wait")
+
+    assert n_kernels(pallas, ids[:, PROMPT:PROMPT + 1]) > 0
+    assert n_kernels(pallas, ids[:, PROMPT:]) > 0
+    assert n_kernels(pallas, jnp.concatenate([ids, ids[:, :2]], axis=1)[:, :17]) == 0      # T = 17
+    assert n_kernels(xla, ids[:, PROMPT:PROMPT + 1]) == 0
+
+
+def test_bf16_model_verify():
+    """bfloat16 model: rounding through the layers swamps the kernel's own (tiny) difference, so
+    the first MoE layer's output is compared directly and the logits against the float32 twin:
+    the kernel must be no farther from it than the XLA bf16 path is (it rounds less)."""
+    xla, pallas = models("bf16")
+    ref = random_model(CFG, dtype=F32, seed=0, with_mtp=True)
+    nnx.update(ref, jax.tree.map(lambda v: v.astype(F32), nnx.state(xla)))
+    ids = _ids()
+    first_moe = next(i for i, layer in enumerate(xla.layers) if isinstance(layer.mlp, MoE))
+    outs = []
+    for model in (ref, xla, pallas):
+        pre = _forward(model, ids[:, :PROMPT], model.init_cache(1, MAX_LEN))
+        outs.append(_forward(model, ids[:, PROMPT:], pre.cache, pending=True, return_all_hidden=True))
+    r, x, p = outs
+    assert p.logits.dtype == x.logits.dtype and p.taps.dtype == BF16
+    assert np.isfinite(np.asarray(p.logits)).all()
+    assert rel(p.taps[first_moe], x.taps[first_moe]) <= TOL
+    assert rel(p.logits, r.logits) <= 1.5 * rel(x.logits, r.logits)
+
+
+def test_engine_greedy_mtp_tokens_match():
+    """The whole speculative decode loop (on-device while loop: MTP draft with T = 1, pending
+    verify with T = 3, commit) on both expert kernels, fp8 weights, greedy."""
+    prompt = [int(t) for t in _ids()[0, :PROMPT]]
+    toks = []
+    for model in models("fp8"):
+        with kernel_mode():
+            toks.append(Engine(model, spec=SpecConfig("mtp", 2)).generate(prompt, max_tokens=6).token_ids)
+    assert toks[0] == toks[1] and len(toks[0]) == 6
+
+
+@pytest.mark.parametrize("bad", ["triton", "Pallas", ""])
+def test_invalid_switch_value(bad):
+    with pytest.raises(ValueError, match="moe_kernel must be one of 'xla', 'pallas'"):
+        LingModel(CFG, dtype=F32, moe_kernel=bad)
+    with pytest.raises(ValueError, match="moe_kernel must be one of"):
+        MoE(CFG, 3, dtype=F32, rngs=nnx.Rngs(0), moe_kernel=bad)
+
+
+def test_pallas_rejects_unsupported_models():
+    with pytest.raises(ValueError, match="float64"):
+        nnx.eval_shape(lambda: LingModel(CFG, dtype=jnp.float64, moe_kernel="pallas"))
+    with pytest.raises(ValueError, match="multiples of 128"):                 # the golden tiny config
+        nnx.eval_shape(lambda: LingModel(tiny_config(), dtype=F32, moe_kernel="pallas"))
+    f32 = nnx.eval_shape(lambda: LingModel(CFG, dtype=F32))
+    with pytest.raises(ValueError, match="quantise the model"):              # float32 expert weights
+        set_moe_kernel(f32, "pallas")
+    mixed = nnx.eval_shape(lambda: quantize_model(LingModel(CFG, dtype=BF16)))
+    for m in _moes(mixed):
+        m.w_down = nnx.Param(jax.ShapeDtypeStruct(m.w_down.shape, BF16))
+    with pytest.raises(ValueError, match="both expert weights fp8 or both bfloat16"):
+        set_moe_kernel(mixed, "pallas")
+
+
+def test_set_moe_kernel_switches_every_moe_layer():
+    m = nnx.eval_shape(lambda: quantize_model(LingModel(CFG, dtype=BF16, with_mtp=True)))
+    moes = _moes(m)
+    assert len(moes) == sum(CFG.is_moe_layer(i) for i in range(CFG.num_hidden_layers)) + 1     # + MTP
+    assert all(isinstance(x.w_gate_up, Fp8Weight) and x.moe_kernel == "xla" for x in moes)
+    assert set_moe_kernel(m, "pallas") is m
+    assert all(x.moe_kernel == "pallas" for x in moes)
+    assert set_moe_kernel(m, "xla") is m and all(x.moe_kernel == "xla" for x in moes)
+    with pytest.raises(ValueError, match="moe_kernel must be one of"):
+        set_moe_kernel(m, "cuda")
+    built = nnx.eval_shape(lambda: LingModel(CFG, dtype=BF16, with_mtp=True, moe_kernel="pallas"))
+    assert [x.moe_kernel for x in _moes(built)] == ["pallas"] * len(moes)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the off-GPU error")
+def test_pallas_off_gpu_without_interpret_says_what_to_do():
+    _, pallas = models("fp8")
+    cache = pallas.init_cache(1, MAX_LEN)
+    with pytest.raises(ValueError, match="needs an NVIDIA Hopper GPU"):
+        jax.jit(lambda t, c: pallas(t, c))(jnp.zeros((1, 1), jnp.int32), cache)
+    with pytest.raises(ValueError, match="needs an NVIDIA Hopper GPU"):           # engine
+        Engine(pallas, spec=SpecConfig("mtp", 2)).generate([3, 4, 5], max_tokens=2)
+
+
+def test_loader_and_cli_flag():
+    assert build_parser().parse_args(["--moe-kernel", "pallas"]).moe_kernel == "pallas"
+    assert build_parser().parse_args([]).moe_kernel == "xla"
+    with pytest.raises(LoadError, match="moe_kernel must be one of"):
+        load_engine(LING_TINY, moe_kernel="cuda", quiet=True)
+    with pytest.raises(LoadError, match="float64"):
+        load_engine(LING_TINY, dtype="float64", moe_kernel="pallas", quiet=True)
+    with pytest.raises(LoadError, match="--mesh is not supported"):
+        load_engine(LING_TINY, moe_kernel="pallas", mesh="tp=2", quiet=True)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(LoadError, match="needs an NVIDIA Hopper GPU"):
+            load_engine(LING_TINY, moe_kernel="pallas", quiet=True)
+    else:   # the golden tiny checkpoint's experts (F = 32) do not fit the kernel
+        with pytest.raises(LoadError, match="multiples of 128"):
+            load_engine(LING_TINY, moe_kernel="pallas", quiet=True)
+
+
+def test_batch1_flag(capsys, tmp_path):
+    from bench import batch1
+    base = ["--tiny", "--layers", "4", "--input-len", "32", "--output-len", "4", "--num-prompts", "1",
+            "--no-xla-defaults", "--copy-mib", "8"]
+    assert batch1.build_parser().parse_args(base).moe_kernel == "xla"
+    bad = [(["--mesh", "tp=2"], "--mesh is not supported"), (["--dtype", "f32"], "bf16 or fp8")]
+    if jax.default_backend() != "gpu":
+        bad.append(([], "the backend is"))
+    for extra, msg in bad:
+        with pytest.raises(SystemExit) as e:
+            batch1.main(base + ["--moe-kernel", "pallas"] + extra)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    rec = batch1.main(base + ["--out", str(tmp_path)])
+    assert rec["moe_kernel"] == "xla"
