@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-kernel", choices=["xla", "pallas"], default="xla",
                     help="routed experts of decode / verify (<= 16 tokens): XLA ops or the Pallas Mosaic GPU "
                          "expert kernel (bf16 or fp8 weights; not with --mesh)")
+    ap.add_argument("--dense-kernel", choices=["xla", "pallas"], default="xla",
+                    help="dense projections and lm_head of decode / verify (<= 16 tokens): XLA dots or the "
+                         "Pallas Mosaic GPU skinny GEMM (bf16 or fp8 weights; not with --mesh)")
     ap.add_argument("--approx", type=_approx, default=None, metavar="MODES",
                     help="approximate speed modes (lingjax/approx.py), off by default: comma list of "
                          "expert_keep=X, bf16_router_head, bf16_kda_state, fp8_mla_cache")
@@ -133,6 +136,10 @@ def _check_args(ap, a) -> None:
         ap.error("--moe-kernel pallas with --mesh is not supported yet (the kernel is not split over devices)")
     if a.moe_kernel == "pallas" and a.dtype == "f32":
         ap.error("--moe-kernel pallas streams bf16 or fp8 expert weights: use --dtype bf16 or fp8")
+    if a.dense_kernel == "pallas" and a.mesh:
+        ap.error("--dense-kernel pallas with --mesh is not supported yet (the kernel is not split over devices)")
+    if a.dense_kernel == "pallas" and a.dtype == "f32":
+        ap.error("--dense-kernel pallas streams bf16 or fp8 weights: use --dtype bf16 or fp8")
     if a.profile_tokens < 2:
         ap.error("--profile-tokens must be >= 2")
     for tau in a.forced_accept or ():
@@ -227,6 +234,9 @@ def main(argv=None) -> dict:
     if a.moe_kernel == "pallas" and jax.default_backend() != "gpu":
         ap.error(f"--moe-kernel pallas compiles a Mosaic GPU kernel (NVIDIA Hopper GPU); the backend is "
                  f"{jax.default_backend()!r}: use --moe-kernel xla")
+    if a.dense_kernel == "pallas" and jax.default_backend() != "gpu":
+        ap.error(f"--dense-kernel pallas compiles a Mosaic GPU kernel (NVIDIA Hopper GPU); the backend is "
+                 f"{jax.default_backend()!r}: use --dense-kernel xla")
     dt = {"bf16": jnp.bfloat16, "f32": jnp.float32, "fp8": jnp.bfloat16}[a.dtype]   # compute dtype
     fp8 = a.dtype == "fp8"
     # ---- config (validated before any weight is built) ------------------------------------------
@@ -302,6 +312,9 @@ def main(argv=None) -> dict:
         if a.moe_kernel != "xla":       # after any fp8 quantisation: it checks the expert weights
             from lingjax.model.mlp import set_moe_kernel
             set_moe_kernel(target, a.moe_kernel)
+        if a.dense_kernel != "xla":     # after any fp8 quantisation: it records which weights it streams
+            from lingjax.model.dense import set_dense_kernel
+            set_dense_kernel(target, a.dense_kernel)
         if mesh is not None and a.checkpoint:
             sharding.shard_model(target, mesh)
             if draft is not None:
@@ -423,7 +436,7 @@ def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, de
         "bench": "batch1", "model": "embedded" if a.embedded else a.checkpoint or (
             "random:" + (a.config_json or ("tiny" if a.tiny else "ling3-flash"))),
         "layers": cfg.num_hidden_layers, "dtype": a.dtype, "spec": method, "kda_kernel": a.kda_kernel,
-        "moe_kernel": a.moe_kernel,
+        "moe_kernel": a.moe_kernel, "dense_kernel": a.dense_kernel,
         "approx": a.approx.describe() if a.approx is not None else "none",
         "block_size": a.block_size if B else 0, "forced_accept": tau,
         "input_len": a.input_len, "output_len": a.output_len, "num_prompts": a.num_prompts,

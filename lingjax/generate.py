@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-kernel", choices=["xla", "pallas"], default="xla",
                     help="routed experts of decode / verify (<= 16 tokens): XLA, or the Pallas expert kernel "
                          "(NVIDIA Hopper GPU; bfloat16 or fp8 expert weights)")
+    ap.add_argument("--dense-kernel", choices=["xla", "pallas"], default="xla",
+                    help="dense projections and lm_head of decode / verify (<= 16 tokens): XLA, or the Pallas "
+                         "skinny GEMM (NVIDIA Hopper GPU; bfloat16 or fp8 weights, not with --mesh)")
     ap.add_argument("--approx", default=None, metavar="MODES",
                     help="approximate speed modes (off by default; quality cost in bench/approx_quality.py): "
                          "comma list of expert_keep=X, bf16_router_head, bf16_kda_state, fp8_mla_cache")
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                              block_size=args.block_size, verify_policy=args.verify_policy,
                              chunk_steps=args.chunk_steps, quiet=args.quiet or args.json, mesh=args.mesh,
                              kda_kernel=args.kda_kernel, moe_kernel=args.moe_kernel,
-                             approx=args.approx)
+                             dense_kernel=args.dense_kernel, approx=args.approx)
         if prompt_ids is not None:
             prompt = prompt_ids
         else:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from lingjax.approx import ApproxModes
 from lingjax.engine import Engine
+from lingjax.model.dense import check_dense_kernel, set_dense_kernel
 from lingjax.model.kda import check_kda_kernel, set_kda_kernel
 from lingjax.model.mlp import check_moe_kernel, set_moe_kernel
 from lingjax.spec_decode import SpecConfig
@@ -42,7 +43,7 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
                 spec: str | None = None, block_size: int | None = None, verify_policy: str = "fixed",
                 chunk_steps: int = 16, max_context: int | None = None, quiet: bool = False,
                 mesh: str | None = None, kda_kernel: str = "xla", moe_kernel: str = "xla",
-                approx: str | ApproxModes | None = None) -> Engine:
+                dense_kernel: str = "xla", approx: str | ApproxModes | None = None) -> Engine:
     """checkpoint None = the embedded default model (and its draft unless `draft` is given).
 
     mesh: 'tp=N[,ep=M]' (lingjax.sharding.parse_mesh) to split the target and draft over N*M
@@ -51,6 +52,8 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
     NVIDIA Hopper GPU only), see lingjax/model/kda.py.
     moe_kernel: 'xla' | 'pallas' (the Mosaic GPU routed-expert kernel for calls of <= 16 tokens;
     fp8 or bfloat16 expert weights, NVIDIA Hopper GPU only), see lingjax/model/mlp.py.
+    dense_kernel: 'xla' | 'pallas' (the Mosaic GPU skinny GEMM for the dense projections and lm_head
+    of calls of <= 16 tokens; fp8 or bfloat16 weights, NVIDIA Hopper GPU only), see lingjax/model/dense.py.
     approx: approximate speed modes, an ApproxModes or its text form ('expert_keep=0.75,bf16_router_head,
     bf16_kda_state,fp8_mla_cache'; lingjax/approx.py); None = every mode off (exact)."""
     if dtype not in DTYPES:
@@ -59,6 +62,7 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
     try:
         check_kda_kernel(kda_kernel, dtype=jdtype)
         check_moe_kernel(moe_kernel, dtype=jdtype)
+        check_dense_kernel(dense_kernel, dtype=jdtype)
     except ValueError as e:
         raise LoadError(str(e)) from None
     if kda_kernel == "pallas" and jax.default_backend() != "gpu":
@@ -70,6 +74,12 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
     if moe_kernel == "pallas" and jax.default_backend() != "gpu":
         raise LoadError(f"--moe-kernel pallas needs an NVIDIA Hopper GPU (a Mosaic GPU kernel); the backend is "
                         f"{jax.default_backend()!r}: use --moe-kernel xla")
+    if dense_kernel == "pallas" and mesh is not None:
+        raise LoadError("--dense-kernel pallas with --mesh is not supported yet: the kernel is not split over "
+                        "devices (no shard_map over the projections); use --dense-kernel xla")
+    if dense_kernel == "pallas" and jax.default_backend() != "gpu":
+        raise LoadError(f"--dense-kernel pallas needs an NVIDIA Hopper GPU (a Mosaic GPU kernel); the backend is "
+                        f"{jax.default_backend()!r}: use --dense-kernel xla")
     try:
         modes = approx if isinstance(approx, ApproxModes) else ApproxModes.parse(approx)
     except ValueError as e:
@@ -98,6 +108,7 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
     try:
         set_kda_kernel(target, kda_kernel)
         set_moe_kernel(target, moe_kernel)
+        set_dense_kernel(target, dense_kernel)
     except ValueError as e:
         raise LoadError(f"{checkpoint or 'embedded model'}: {e}") from None
     if draft is not None:
@@ -120,5 +131,5 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
                     chunk_steps=chunk_steps, max_context=max_context)
     _log(f"loaded in {time.perf_counter() - t0:.1f}s (spec={method}, block={spec_cfg.block_size}, "
          f"policy={verify_policy}, kda_kernel={kda_kernel}, moe_kernel={moe_kernel}, "
-         f"approx={modes.describe()})", quiet)
+         f"dense_kernel={dense_kernel}, approx={modes.describe()})", quiet)
     return engine

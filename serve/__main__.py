@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-kernel", choices=["xla", "pallas"], default="xla",
                     help="routed experts of decode / verify calls (<= 16 tokens): XLA, or the Pallas "
                          "expert kernel (NVIDIA Hopper GPU, bf16 or fp8 weights, not with --mesh)")
+    ap.add_argument("--dense-kernel", choices=["xla", "pallas"], default="xla",
+                    help="dense projections and lm_head of decode / verify calls (<= 16 tokens): XLA, or the "
+                         "Pallas skinny GEMM (NVIDIA Hopper GPU, bf16 or fp8 weights, not with --mesh)")
     ap.add_argument("--approx", default=None, metavar="MODES",
                     help="approximate speed modes, off by default (lingjax/approx.py): comma list of "
                          "expert_keep=X, bf16_router_head, bf16_kda_state, fp8_mla_cache")
@@ -77,7 +80,8 @@ def engine_factory(args):
         engine = load_engine(args.checkpoint, args.draft, dtype=args.dtype, spec=args.spec,
                              block_size=args.block_size, verify_policy=args.verify_policy,
                              chunk_steps=args.chunk_steps, max_context=args.max_context, mesh=args.mesh,
-                             kda_kernel=args.kda_kernel, moe_kernel=args.moe_kernel, approx=args.approx)
+                             kda_kernel=args.kda_kernel, moe_kernel=args.moe_kernel,
+                             dense_kernel=args.dense_kernel, approx=args.approx)
         tok = None
         if args.tokenizer_byte_level:
             from serve.testing import byte_level_tokenizer

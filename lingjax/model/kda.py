@@ -15,6 +15,8 @@ The recurrence runs on one of two kernels (``kda_kernel``, XLA by default):
            device mesh (traced inside ``kernels.kernel_mesh(mesh)``, as the Decoder does for sharded
            params) each device runs the kernel on its own heads under ``jax.shard_map``: heads are
            split over 'tp' like the KDA parameters and state, every other mesh axis replicates.
+
+The projections w_in and w_out follow the separate ``dense_kernel`` switch (lingjax/model/dense.py).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from lingjax.cache import KDAState
 from lingjax.config import LingConfig
-from lingjax.model import kernels
+from lingjax.model import dense, kernels
 from lingjax.model.common import acc_dtype, param, rms_norm
 from lingjax.ops import kda as kda_ops
 from pallas_kernels import kda_decode
@@ -99,6 +101,8 @@ def _pallas(fn, *args, head_axes, out_head_axes):
 
 
 class KDA(nnx.Module):
+    DENSE_WEIGHTS = (("w_in", 1), ("w_out", 2))    # dense_kernel projections (lingjax/model/dense.py)
+
     def __init__(self, cfg: LingConfig, *, dtype, rngs, kda_kernel: str = "xla"):
         d, h, k, ks = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
         acc = acc_dtype(dtype)
@@ -123,8 +127,11 @@ class KDA(nnx.Module):
         cfg = self.cfg
         acc = acc_dtype(x.dtype)
         b, t, _ = x.shape
-        w_in = self.w_in[...]
-        proj = jnp.einsum("btd,dchk->btchk", x.astype(w_in.dtype), w_in)   # [B, T, 5, H, K]
+        if dense.uses_kernel(self, "w_in", b * t):
+            proj = dense.dense_matmul(x.astype(self.w_in.dtype), self.w_in)     # [B, T, 5, H, K]
+        else:
+            w_in = self.w_in[...]
+            proj = jnp.einsum("btd,dchk->btchk", x.astype(w_in.dtype), w_in)   # [B, T, 5, H, K]
         conv_in = jnp.concatenate([cache.conv, proj[:, :, :3]], axis=1)     # [B, ks-1+T, 3, H, K]
         qkv = jax.nn.silu(causal_conv(conv_in, self.conv[...], t))
         q = kda_ops.l2_normalize(qkv[:, :, 0])
@@ -162,6 +169,8 @@ class KDA(nnx.Module):
         """Gated per-head RMSNorm then o_proj: o [B, T, H, V] (acc), gate [B, T, H, K]."""
         o = rms_norm(o, self.o_norm[...].astype(o.dtype), self.cfg.rms_norm_eps)
         o = (o * jax.nn.sigmoid(gate.astype(o.dtype))).astype(dtype)
+        if dense.uses_kernel(self, "w_out", o.shape[0] * o.shape[1]):
+            return dense.dense_matmul(o, self.w_out, k_axes=2)
         return jnp.einsum("bthk,hkd->btd", o, self.w_out[...])
 
 

@@ -1,8 +1,9 @@
-"""How the model's opt-in Pallas kernels (kda_kernel / moe_kernel = 'pallas') are run: compiled on
-a GPU, in Mosaic GPU interpret mode inside `pallas_interpret()` (CPU tests), emitted for CUDA
-inside `pallas_cross_lowering()` (lowering checks on a CPU host), and split over a device mesh
-inside `kernel_mesh(mesh)` (the Decoder sets it for sharded params). Each is a context seen only
-while tracing: a function jitted earlier keeps what it was traced with."""
+"""How the model's opt-in Pallas kernels (kda_kernel / moe_kernel / dense_kernel = 'pallas') are
+run: compiled on a GPU, in Mosaic GPU interpret mode inside `pallas_interpret()` (CPU tests),
+emitted for CUDA inside `pallas_cross_lowering()` (lowering checks on a CPU host), and split over
+a device mesh inside `kernel_mesh(mesh)` (the Decoder sets it for sharded params; only the KDA
+kernel splits). Each is a context seen only while tracing: a function jitted earlier keeps what it
+was traced with."""
 from __future__ import annotations
 
 import contextlib
@@ -48,7 +49,8 @@ def current_mesh():
 
 
 def interpret_arg(switch: str):
-    """The `interpret=` argument for a kernel call of the `switch` ('kda_kernel' / 'moe_kernel'):
+    """The `interpret=` argument for a kernel call of the `switch` ('kda_kernel' / 'moe_kernel' /
+    'dense_kernel'):
     False (compile) on a GPU or under pallas_cross_lowering, the params under pallas_interpret;
     a ValueError saying what to do on any other backend."""
     interpret = _INTERPRET.get()

@@ -4,6 +4,7 @@ prefill (empty cache, any T), decode (T = 1) and extend / verify (T tokens from 
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -14,6 +15,7 @@ from lingjax.approx import ApproxModes
 from lingjax.cache import LingCache, MLAState, init_cache
 from lingjax.config import LingConfig
 from lingjax.model.common import RMSNorm, acc_dtype, param
+from lingjax.model.dense import check_dense_kernel, dense_matmul, set_dense_kernel, uses_kernel
 from lingjax.model.kda import KDA, check_kda_kernel, commit_prefix
 from lingjax.model.mla import GatedMLA
 from lingjax.model.mlp import DenseMLP, MoE, check_moe_kernel
@@ -49,6 +51,7 @@ class DecoderLayer(nnx.Module):
 
 class MTPLayer(nnx.Module):
     """NEXTN layer: x = eh_proj([enorm(embed(tok_{t+1})); hnorm(h_t)]) -> MLA+MoE block -> final norm."""
+    DENSE_WEIGHTS = (("eh_proj", 1),)     # dense_kernel projection (lingjax/model/dense.py)
 
     def __init__(self, cfg: LingConfig, *, dtype, rngs, moe_kernel: str = "xla"):
         d = cfg.hidden_size
@@ -62,7 +65,10 @@ class MTPLayer(nnx.Module):
     def __call__(self, h_final, next_embeds, cache: MLAState, pos):
         """h_final [B, T, D] (main model after model.norm), next_embeds [B, T, D] -> (hidden, cache)."""
         x = jnp.concatenate([self.enorm(next_embeds), self.hnorm(h_final)], axis=-1)
-        x = jnp.dot(x, self.eh_proj[...])
+        if uses_kernel(self, "eh_proj", math.prod(x.shape[:-1])):
+            x = dense_matmul(x, self.eh_proj)
+        else:
+            x = jnp.dot(x, self.eh_proj[...])
         x, cache = self.block(x, cache, pos)
         return self.final_norm(x), cache
 
@@ -76,16 +82,25 @@ class ForwardOut(NamedTuple):
 
 
 class LingModel(nnx.Module):
+    DENSE_WEIGHTS = (("lm_head", 1),)     # dense_kernel projection (lingjax/model/dense.py)
+
     def __init__(self, cfg: LingConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None, with_mtp: bool | None = None,
-                 kda_kernel: str = "xla", moe_kernel: str = "xla", approx: ApproxModes = ApproxModes()):
+                 kda_kernel: str = "xla", moe_kernel: str = "xla", dense_kernel: str = "xla",
+                 approx: ApproxModes = ApproxModes()):
         """kda_kernel: 'xla' (default) | 'pallas': the KDA recurrence kernel (lingjax/model/kda.py).
         moe_kernel: 'xla' (default) | 'pallas': the routed-expert kernel of calls of <= 16 tokens
         (lingjax/model/mlp.py); after lingjax.quant.quantize_model, or to switch a loaded model,
         use lingjax.model.mlp.set_moe_kernel (it also checks the expert weights' dtype).
+        dense_kernel: 'xla' (default) | 'pallas': the skinny GEMM for the dense projections and
+        lm_head of calls of <= 16 tokens (lingjax/model/dense.py). Here 'pallas' needs a bfloat16
+        model (a float32 model's weights are float32: nothing to stream, ValueError); after
+        lingjax.quant.quantize_model, or to switch a loaded model, use
+        lingjax.model.dense.set_dense_kernel (it records which weights the kernel streams).
         approx: optional approximate speed modes (lingjax/approx.py), all off by default; caches
         for this model come from `self.init_cache` (storage dtypes follow the modes)."""
         check_kda_kernel(kda_kernel)
         check_moe_kernel(moe_kernel)
+        check_dense_kernel(dense_kernel, dtype)
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg = cfg
         self.dtype = dtype
@@ -99,6 +114,7 @@ class LingModel(nnx.Module):
             with_mtp = cfg.num_nextn_predict_layers > 0
         self.mtp = MTPLayer(cfg, dtype=dtype, rngs=rngs, moe_kernel=moe_kernel) if with_mtp else None
         set_approx(self, approx)
+        set_dense_kernel(self, dense_kernel)
 
     def init_cache(self, batch: int, max_len: int, *, with_mtp: bool | None = None) -> LingCache:
         """Zeroed cache for this model: activation dtype, storage dtypes of `self.approx`."""
@@ -111,10 +127,15 @@ class LingModel(nnx.Module):
     def logits(self, hidden):
         """hidden [..., D] (final-normed) -> fp32 (acc) logits [..., V]."""
         acc = acc_dtype(hidden.dtype)
+        kernel = uses_kernel(self, "lm_head", math.prod(hidden.shape[:-1]))
         with jax.named_scope("lm_head"):
             if self.approx.bf16_router_head:   # bf16 logits, widened so consumers see one dtype
                 bf = jnp.bfloat16
+                if kernel:
+                    return dense_matmul(hidden.astype(bf), self.lm_head, out_dtype=bf).astype(acc)
                 return jnp.dot(hidden.astype(bf), self.lm_head[...].astype(bf), preferred_element_type=bf).astype(acc)
+            if kernel:
+                return dense_matmul(hidden, self.lm_head, out_dtype=acc)
             return jnp.dot(hidden, self.lm_head[...], preferred_element_type=acc)
 
     def __call__(self, tokens, cache: LingCache, *, logits: str = "all", tap_layers: tuple[int, ...] = (),

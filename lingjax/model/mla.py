@@ -18,6 +18,7 @@ from flax import nnx
 from lingjax.approx import quantize_fp8_per_token
 from lingjax.cache import MLAState
 from lingjax.config import LingConfig
+from lingjax.model import dense as dense_proj
 from lingjax.model.common import RMSNorm, acc_dtype, apply_rope, param, rope_cos_sin
 
 # Query blocks shorter than this use the absorbed form.
@@ -25,6 +26,9 @@ ABSORB_MAX_TOKENS = 32
 
 
 class GatedMLA(nnx.Module):
+    # dense_kernel projections (lingjax/model/dense.py); kv_b (absorbed einsums / prefill expansion) stays on XLA
+    DENSE_WEIGHTS = (("q_a", 1), ("q_b", 1), ("q_proj", 1), ("kv_a", 1), ("dense", 2))
+
     def __init__(self, cfg: LingConfig, *, dtype, rngs):
         d, h = cfg.hidden_size, cfg.num_attention_heads
         nope, rope, vd, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -54,10 +58,16 @@ class GatedMLA(nnx.Module):
         acc = acc_dtype(x.dtype)
         xw = x.astype(self.kv_a.dtype)
         if cfg.q_lora_rank:
-            q = jnp.einsum("btr,rhe->bthe", self.q_a_norm(jnp.dot(xw, self.q_a[...])), self.q_b[...])
+            qa = (dense_proj.dense_matmul(xw, self.q_a) if self._kernel("q_a", b * t)
+                  else jnp.dot(xw, self.q_a[...]))
+            qa = self.q_a_norm(qa)
+            q = (dense_proj.dense_matmul(qa, self.q_b) if self._kernel("q_b", b * t)
+                 else jnp.einsum("btr,rhe->bthe", qa, self.q_b[...]))
+        elif self._kernel("q_proj", b * t):
+            q = dense_proj.dense_matmul(xw, self.q_proj)
         else:
             q = jnp.einsum("btd,dhe->bthe", xw, self.q_proj[...])
-        c = jnp.dot(xw, self.kv_a[...])
+        c = dense_proj.dense_matmul(xw, self.kv_a) if self._kernel("kv_a", b * t) else jnp.dot(xw, self.kv_a[...])
         latent = self.kv_a_norm(c[..., :lat])
         positions = pos + jnp.arange(t, dtype=jnp.int32)
         cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, acc)
@@ -78,7 +88,12 @@ class GatedMLA(nnx.Module):
             o = self._attend_expanded(q_nope, q_rope, cache, mask)
         gate = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x.astype(acc), self.g_proj[...].astype(acc)))
         o = (o.astype(acc) * gate[..., None]).astype(x.dtype)
+        if self._kernel("dense", b * t):
+            return dense_proj.dense_matmul(o, self.dense, k_axes=2), cache
         return jnp.einsum("bthv,hvd->btd", o, self.dense[...]), cache
+
+    def _kernel(self, name, tokens):
+        return dense_proj.uses_kernel(self, name, tokens)
 
     def _softmax(self, scores, mask):
         scores = jnp.where(mask[None, None], scores * self.cfg.attention_scale, -jnp.inf)

@@ -4,10 +4,11 @@ The routed experts run on one of two kernels (``moe_kernel``, XLA by default):
   "xla"    lingjax.ops.moe everywhere: experts_gather below MOE_GATHER_MAX_TOKENS tokens,
            experts_sorted_blocks above.
   "pallas" the Mosaic GPU expert kernel (pallas_kernels/moe_experts.py) for calls of at most
-           16 tokens (decode, a speculative verify block); prefill stays on XLA, and so do the
-           router and the shared expert. Streams block-fp8 (Fp8Weight, 128 x 128 blocks) or
-           bfloat16 expert weights, each chosen expert once per call, and skips slots whose
-           combine weight is 0 (ApproxModes.expert_keep). Computes in bf16 with float32
+           16 tokens (decode, a speculative verify block); prefill stays on XLA, and so does the
+           router (the shared expert, a DenseMLP, follows ``dense_kernel``: lingjax/model/dense.py).
+           Streams block-fp8 (Fp8Weight, 128 x 128 blocks) or bfloat16 expert weights, each chosen
+           expert once per call, and skips slots whose combine weight is 0
+           (ApproxModes.expert_keep). Computes in bf16 with float32
            accumulation whatever the model dtype (a float32 model's fp8 weights dequantise to
            bf16, not f32). Needs an NVIDIA Hopper GPU, hidden and expert intermediate sizes that
            are multiples of 128, and a bfloat16 / float32 model; float32 (unquantised) expert
@@ -17,12 +18,14 @@ The routed experts run on one of two kernels (``moe_kernel``, XLA by default):
 """
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from flax import nnx
 
 from lingjax.approx import ApproxModes
 from lingjax.config import LingConfig
-from lingjax.model import kernels
+from lingjax.model import dense, kernels
 from lingjax.model.common import acc_dtype, param
 from lingjax.ops import moe as moe_ops
 from lingjax.param_layout import Matrix
@@ -93,7 +96,9 @@ def _pallas_experts(xf, idx, w, w_gate_up, w_down, limit):
 
 
 class DenseMLP(nnx.Module):
-    """down(silu(gate(x)) * up(x)); gate and up fused into w_gate_up [D, 2, F]."""
+    """down(silu(gate(x)) * up(x)); gate and up fused into w_gate_up [D, 2, F]. Both projections
+    follow `dense_kernel` (lingjax/model/dense.py) for calls of <= 16 tokens."""
+    DENSE_WEIGHTS = (("w_gate_up", 1), ("w_down", 1))
 
     def __init__(self, hidden: int, inter: int, *, dtype, rngs, swiglu_limit: float | None = None):
         self.swiglu_limit = swiglu_limit
@@ -101,9 +106,16 @@ class DenseMLP(nnx.Module):
         self.w_down = param(rngs, (inter, hidden), ("mlp", "embed"), dtype, std=inter ** -0.5)
 
     def __call__(self, x):
-        w = self.w_gate_up[...]
-        h = jnp.tensordot(x.astype(w.dtype), w, axes=1)
-        return jnp.tensordot(moe_ops.swiglu(h[..., 0, :], h[..., 1, :], self.swiglu_limit), self.w_down[...], axes=1)
+        tokens = math.prod(x.shape[:-1])
+        if dense.uses_kernel(self, "w_gate_up", tokens):
+            h = dense.dense_matmul(x.astype(self.w_gate_up.dtype), self.w_gate_up)
+        else:
+            w = self.w_gate_up[...]
+            h = jnp.tensordot(x.astype(w.dtype), w, axes=1)
+        a = moe_ops.swiglu(h[..., 0, :], h[..., 1, :], self.swiglu_limit)
+        if dense.uses_kernel(self, "w_down", tokens):
+            return dense.dense_matmul(a, self.w_down)
+        return jnp.tensordot(a, self.w_down[...], axes=1)
 
 
 class MoE(nnx.Module):

@@ -1,0 +1,197 @@
+"""The ``dense_kernel`` switch: which kernel runs the model's dense projections ('xla' by default).
+
+  "xla"    XLA dots everywhere (the layers' own einsums).
+  "pallas" the Mosaic GPU skinny GEMM (pallas_kernels/skinny_gemm.py) for every call of a listed
+           projection with at most 16 rows (tokens): decode, a speculative verify block, an MTP
+           draft step, the last-position logits of a prefill. Longer calls (prefill) stay on XLA.
+           It streams bfloat16 or block-fp8 weights (fp8 dequantised on chip, float32
+           accumulation); activations are rounded to bf16 whatever the model dtype (a float32
+           model's projections then differ from XLA by bf16 rounding of x). Needs an NVIDIA Hopper
+           GPU and float32 accumulation (a bfloat16 / float32 model, not float64). On a CPU backend
+           it only runs in interpret mode, traced inside ``kernels.pallas_interpret()``. Not split
+           over devices: lingjax.loader refuses it with a mesh, and a trace under
+           ``kernels.kernel_mesh`` with more than one device raises.
+
+The projections (a class attribute ``DENSE_WEIGHTS`` of each layer: weight name, number of
+leading axes contracted with the input):
+
+    KDA         w_in [D, 5, H, K] (one GEMM to 5*H*K), w_out [H, K, D]
+    GatedMLA    q_a, q_b, q_proj, kv_a, dense [H, V, D]   (kv_b, used in the absorbed attention
+                einsums and the prefill expansion, stays on XLA)
+    DenseMLP    w_gate_up [D, 2, F] (one GEMM to 2*F), w_down [F, D]  (dense layers and the MoE
+                shared expert)
+    LingModel   lm_head [D, V] (float32 logits; argmax / sampling stay in XLA)
+    MTPLayer    eh_proj [2D, D]
+
+Which of them use the kernel is decided once, by :func:`set_dense_kernel` (also run by
+``LingModel(dense_kernel=...)``), and recorded per layer in ``dense_kernel_weights``; a weight
+stays on XLA by this static rule (:func:`kernel_refusal`), never by a run-time fallback:
+
+  * its dtype: a bfloat16 Param or an Fp8Weight; float32 / float64 Params stay on XLA (the kernel
+    would round them to bf16): quantise the model or load it in bfloat16;
+  * its [K, N] matrix (K = the product of the contracted axes): K % 128 == 0 and N % 64 == 0;
+  * an Fp8Weight also needs 128 x 128 blocks and a matrix view whose [K, N] matrix is a plain
+    reshape of the stored values (no transposition: the in axes are the contracted ones, in
+    order; the stack axes, then the out axes, are the output axes, in order) and, when it has
+    stack axes, out blocks that do not straddle two stacked matrices (prod(out) % 128 == 0).
+    The scales [*stack, K/128, OUT/128] then become the kernel's [K/128, ceil(N/128)] grid by
+    moving the K-block axis first (a few hundred floats per call).
+
+Call ``set_dense_kernel`` after anything that changes the weights' dtype or layout
+(lingjax.quant.quantize_model, a checkpoint loader), as for ``set_moe_kernel``: a weight recorded
+for the kernel whose layout no longer fits raises when traced. At the Ling-3.0-flash shapes every
+listed projection uses the kernel, bf16 or fp8 (tests/test_dense_kernel_switch.py).
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+
+from lingjax.model import kernels
+from lingjax.model.common import acc_dtype
+from lingjax.quant import Fp8Weight
+from pallas_kernels import skinny_gemm
+
+DENSE_KERNELS = ("xla", "pallas")
+MAX_TOKENS = skinny_gemm.MAX_M
+BLOCK = skinny_gemm.BLOCK
+N_ALIGN = 64
+
+
+def check_dense_kernel(kernel: str, dtype=None) -> str:
+    """Validate a dense_kernel value (and, given the model dtype, that the kernel supports it)."""
+    if kernel not in DENSE_KERNELS:
+        raise ValueError(f"dense_kernel must be one of {', '.join(map(repr, DENSE_KERNELS))}, got {kernel!r}")
+    if kernel == "pallas" and dtype is not None and acc_dtype(dtype) != jnp.float32:
+        raise ValueError(f"dense_kernel='pallas' accumulates in float32; a {jnp.dtype(dtype).name} model "
+                         "(float64 accumulation) needs dense_kernel='xla'")
+    return kernel
+
+
+def compute_dtype(weight) -> jnp.dtype:
+    """The dtype the layers see for `weight` (`weight[...]`): an Fp8Weight's compute dtype."""
+    if isinstance(weight, Fp8Weight):
+        return weight.dtype
+    return jnp.dtype(weight.get_value().dtype if isinstance(weight, nnx.Variable) else weight.dtype)
+
+
+def _matrix_shape(shape, k_axes: int) -> tuple[int, int]:
+    return math.prod(shape[:k_axes]), math.prod(shape[k_axes:])
+
+
+def kernel_refusal(weight, k_axes: int) -> str | None:
+    """None if the skinny GEMM can stream `weight` (a Param or Fp8Weight whose first `k_axes` axes
+    are contracted with the input), else why it stays on XLA (module docstring). Reads only
+    shapes and dtypes: works on abstract models (nnx.eval_shape)."""
+    shape = tuple(weight.shape)
+    K, N = _matrix_shape(shape, k_axes)
+    if isinstance(weight, Fp8Weight):
+        view, ndim = weight.view, len(shape)
+        if weight.block != (BLOCK, BLOCK):
+            return f"fp8 blocks {weight.block}, not {BLOCK} x {BLOCK}"
+        if (tuple(view.in_) != tuple(range(k_axes))
+                or tuple(view.stack) + tuple(view.out) != tuple(range(k_axes, ndim))):
+            return f"fp8 matrix view {view} is not a plain reshape to [K, N] with {k_axes} contracted axes"
+        n_out = math.prod(shape[a] for a in view.out)
+        if view.stack and n_out % BLOCK:
+            return f"fp8 scale blocks straddle the stacked matrices (out size {n_out} % {BLOCK} != 0)"
+    else:
+        dt = compute_dtype(weight)
+        if dt != jnp.bfloat16:
+            return f"{dt.name} weights (the kernel streams bfloat16 or block-fp8)"
+    if K % BLOCK:
+        return f"K={K} is not a multiple of {BLOCK}"
+    if N % N_ALIGN:
+        return f"N={N} is not a multiple of {N_ALIGN}"
+    return None
+
+
+def kernel_operands(weight, k_axes: int):
+    """(w [K, N] bfloat16 or float8_e4m3fn, scale [K/128, ceil(N/128)] float32 or None) for
+    skinny_gemm_pallas: a reshape of the stored values, the fp8 scales' K-block axis moved first.
+    Raises ValueError for a weight :func:`kernel_refusal` refuses."""
+    why = kernel_refusal(weight, k_axes)
+    if why is not None:
+        raise ValueError(f"dense_kernel='pallas': a weight {tuple(weight.shape)} recorded for the kernel no "
+                         f"longer fits it ({why}); call lingjax.model.dense.set_dense_kernel again after "
+                         "changing the weights (e.g. after lingjax.quant.quantize_model)")
+    K, N = _matrix_shape(tuple(weight.shape), k_axes)
+    if isinstance(weight, Fp8Weight):
+        scale = weight.scale_inv.get_value()                  # [*stack, K/128, OUT/128]
+        n_stack = len(weight.view.stack)
+        scale = jnp.moveaxis(scale, n_stack, 0).reshape(K // BLOCK, -1)
+        return weight.values.get_value().reshape(K, N), scale
+    return weight.get_value().reshape(K, N), None
+
+
+def dense_matmul(x, weight, *, k_axes: int = 1, out_dtype=None):
+    """x [..., *weight.shape[:k_axes]] @ weight -> [..., *weight.shape[k_axes:]] on the skinny GEMM
+    (at most MAX_TOKENS rows). out_dtype: default what the XLA path gives (x's dtype promoted with
+    the weight's compute dtype). Compiled on a GPU, interpreted inside kernels.pallas_interpret()."""
+    w, scale = kernel_operands(weight, k_axes)
+    if kernels.current_mesh() is not None:
+        raise ValueError("dense_kernel='pallas' is not split over devices (no shard_map over the projections); "
+                         "use dense_kernel='xla' on a device mesh")
+    interpret = kernels.interpret_arg("dense_kernel")
+    K, N = w.shape
+    lead = x.shape[:x.ndim - k_axes]
+    out_dtype = out_dtype or jnp.promote_types(x.dtype, compute_dtype(weight))
+    y = skinny_gemm.skinny_gemm_pallas(x.reshape(-1, K), w, scale, interpret=interpret, out_dtype=out_dtype)
+    return y.reshape(*lead, *weight.shape[k_axes:])
+
+
+def uses_kernel(module, name: str, tokens: int) -> bool:
+    """Whether `module`'s weight `name` runs on the kernel for a call of `tokens` rows (static)."""
+    return tokens <= MAX_TOKENS and name in getattr(module, "dense_kernel_weights", ())
+
+
+def dense_kernel_plan(model: nnx.Module) -> dict[str, str | None]:
+    """'path.to.weight' -> None (on the kernel for <= 16 tokens) or why it stays on XLA, for every
+    projection listed in a DENSE_WEIGHTS of `model`'s layers (all on XLA when dense_kernel is 'xla')."""
+    plan = {}
+    for path, m in nnx.iter_modules(model):
+        for name, _ in getattr(type(m), "DENSE_WEIGHTS", ()):
+            if getattr(m, name, None) is None:
+                continue
+            key = ".".join(map(str, (*path, name)))
+            if name in getattr(m, "dense_kernel_weights", ()):
+                plan[key] = None
+            elif getattr(m, "dense_kernel", "xla") == "xla":
+                plan[key] = "dense_kernel='xla'"
+            else:
+                plan[key] = kernel_refusal(getattr(m, name), dict(type(m).DENSE_WEIGHTS)[name])
+    return plan
+
+
+def set_dense_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
+    """Switch every layer of `model` with dense projections to `kernel`, in place, recording which
+    weights use it (module docstring); call it before the model is split / jitted (the choice is
+    static) and after any fp8 quantisation. For 'pallas', raises ValueError for a float64 model,
+    or when no projection can use the kernel (e.g. float32 weights: quantise the model or load it
+    in bfloat16). Returns `model`."""
+    check_dense_kernel(kernel)
+    on = 0
+    for _, m in nnx.iter_modules(model):
+        specs = getattr(type(m), "DENSE_WEIGHTS", None)
+        if specs is None:
+            continue
+        if kernel == "pallas" and getattr(m, "dtype", None) is not None:
+            check_dense_kernel(kernel, m.dtype)               # LingModel: the activation dtype
+        chosen = []
+        for name, k_axes in specs:
+            w = getattr(m, name, None)
+            if w is None or kernel != "pallas":
+                continue
+            check_dense_kernel(kernel, compute_dtype(w))
+            if kernel_refusal(w, k_axes) is None:
+                chosen.append(name)
+        m.dense_kernel = kernel
+        m.dense_kernel_weights = tuple(chosen)
+        on += len(chosen)
+    if kernel == "pallas" and on == 0:
+        raise ValueError("dense_kernel='pallas' found no projection the kernel can stream (it needs bfloat16 "
+                         "or block-fp8 weights with K % 128 == 0 and N % 64 == 0): quantise the model "
+                         "(lingjax.quant.quantize_model), load it in bfloat16, or use dense_kernel='xla'")
+    return model
