@@ -334,7 +334,9 @@ def main(argv=None) -> dict:
           + (f" block {a.block_size}" if B_max else ""), flush=True)
     dev = jax.devices()[0]
     copy_bytes = (a.copy_mib or (1024 if dev.platform == "gpu" else 64)) << 20
-    copy_bw = measure_copy_bandwidth(copy_bytes)
+    # the roofline of a step on a mesh is the devices' summed bandwidth (each streams its shards)
+    n_devices = mesh.size if mesh is not None else 1
+    copy_bw = measure_copy_bandwidth(copy_bytes) * n_devices
     rng = np.random.default_rng(a.seed)
     samp = SamplingArrays.from_params(SamplingParams())
 
@@ -386,7 +388,7 @@ def main(argv=None) -> dict:
             for _ in range(a.num_prompts):
                 reqs.append(one_request(dec, pattern, a.output_len))
             wall = time.perf_counter() - t_wall
-            rec = _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, dev, roofline)
+            rec = _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, dev, roofline, n_devices)
             if a.profile and tau == taus[0]:      # the first row of each method
                 rec["profile"] = _profile_row(a, dec, pattern, one_request, rec)
             _print_row(rec)
@@ -398,7 +400,7 @@ def main(argv=None) -> dict:
     return records[0] if len(records) == 1 else {"rows": records}
 
 
-def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, dev, roofline) -> dict:
+def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, dev, roofline, n_devices=1) -> dict:
     """The result record of one row (one spec method at one forced acceptance)."""
     import numpy as np
     method, B = dec.spec.method, dec.spec.drafts
@@ -448,6 +450,7 @@ def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, de
         "peak_device_bytes": peak,
         "roofline": {"bytes_per_step": bytes_step, "bytes_breakdown": rb[0][0].as_dict(),
                      "achieved_bytes_per_s": achieved_bw, "copy_bytes_per_s": copy_bw,
+                     "devices": n_devices, "copy_bytes_per_s_per_device": copy_bw / n_devices,
                      "copy_probe_bytes": copy_bytes, "fraction": achieved_bw / copy_bw,
                      "experts_per_layer": rb[0][0].experts_per_layer, "experts": "uniform-routing expectation"},
         "load_s": load_s, "flags": {k: v for k, v in vars(a).items()},
@@ -474,7 +477,9 @@ def _print_row(rec) -> None:
     print(f"{'peak device memory':28s} " + (f"{peak/2**30:10.2f} GiB" if peak is not None else "       n/a"))
     r = m["roofline"]
     print(f"{'roofline':28s} {r['bytes_per_step']/1e9:10.3f} GB/step -> {r['achieved_bytes_per_s']/1e9:.1f} GB/s "
-          f"achieved vs copy {r['copy_bytes_per_s']/1e9:.1f} GB/s = {r['fraction']*100:.1f}% (experts/layer "
+          f"achieved vs copy {r['copy_bytes_per_s']/1e9:.1f} GB/s"
+          + (f" ({r['devices']} devices)" if r.get("devices", 1) > 1 else "")
+          + f" = {r['fraction']*100:.1f}% (experts/layer "
           f"{r['experts_per_layer']:.1f}, uniform routing)")
     if "profile" in m:
         print(m["profile"]["table"])
