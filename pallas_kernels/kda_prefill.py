@@ -20,8 +20,9 @@ Chunks of C = 64 tokens (the WGMMA M tile). Two kernels, because the intra-chunk
 parallel over (chunk, head) while the state pass is serial over chunks:
 
 1. ``_prep`` -- grid (chunk slot, head), one warpgroup. TMA-loads the chunk's rows of q, k, v, g
-   (or f), beta into unswizzled SMEM (a chunk may start at any token; TMA zero-fills past T),
-   zeroes the rows past the sequence's end, then:
+   (or f) into unswizzled SMEM (a chunk may start at any token; TMA zero-fills past T) and its
+   beta from a chunk-space copy [H, N * 64] (see ``_beta_chunks``: in token space the box would
+   start at an unaligned innermost coordinate), zeroes the rows past the sequence's end, then:
      G      in-chunk cumulative log decay, in place in SMEM by a 64-step fp32 row loop (exact;
             ``cumsum`` does not lower); G_C (last row, fp32) is written out.
      Akk    = beta_i sum_d k_i k_j exp(G_i - G_j), j < i, and Aqk (j <= i, scale folded in q), by
@@ -59,23 +60,33 @@ Accuracy: fp32 cumsum, decay factors, inverse and state; bf16 MMA operands for t
 k, q factors, W, U, Kd, Qg, Aqk (as FLA's chunk kernel). Relative RMSE vs float64 ~3e-3 on random
 inputs (bar 5e-3); keys with a mean cosine near 1 and almost no decay reach ~9e-3.
 
-Status: NOT YET RUN ON A GPU. Checked on CPU (jax 0.12.0.1 and 0.11.2): interpret mode with race
-detection vs lingjax.ops.kda and the float64 oracle; cross-lowering for CUDA at H=32, K=V=128
-(tests/test_pallas_kda_prefill.py). NOT checked: ptxas (registers, spills), GPU correctness,
-speed (bench/kda_prefill_timing.py). Expected costs: kernel 1 runs ~7 exps per (token, head,
-channel) and loads unswizzled tiles (bank conflicts); kernel 2 is latency-bound.
+Status: first H200 run (jax 0.11.2): 2 of the 4 GPU checks failed with
+CUDA_ERROR_ILLEGAL_INSTRUCTION (which ones was not recorded; the error poisons the CUDA context,
+so every later test of the process fails too); ptxas reported 148-byte spills in one variant.
+The likely cause, beta's TMA box starting at token cu[s] + 64 i on the innermost global
+dimension (not 16-byte aligned for cu[s] % 4 != 0, e.g. GPU_CHECKS' cu = [0, 1000, 1001, 8192]),
+is fixed here (chunk-space beta) but NOT YET RE-RUN ON A GPU: bench/kda_prefill_debug.py runs
+each of GPU_CHECKS per kernel stage in its own process. Checked on CPU (jax 0.12.0.1 and
+0.11.2): interpret mode with race detection vs lingjax.ops.kda and the float64 oracle;
+cross-lowering for CUDA at H=32, K=V=128 (tests/test_pallas_kda_prefill.py). Speed:
+bench/kda_prefill_timing.py. Expected costs: kernel 1 runs ~7 exps per (token, head, channel)
+and loads unswizzled tiles (bank conflicts); kernel 2 is latency-bound.
 
 API notes (same in jax 0.11.2 and 0.12): Lane lowering semantics, set explicitly (the default,
 Warpgroup, rejects a dynamic TMA start into tiled SMEM); TMA into tiled SMEM needs 8-aligned rows,
-so packed inputs land in unswizzled SMEM; interpret mode takes WGMMA operands only from SMEM and
-has no ``pl.run_state`` (accumulators start at zero here); nested RefUnions do not unpack;
-broadcast vectors with ``lax.broadcast_in_dim`` (``x[None, :]`` finds no layout); stores to
-unswizzled SMEM need ``optimized=False`` (``plgpu.store`` in 0.12, plain ``ref[...] =`` in 0.11.2).
+so packed inputs land in unswizzled SMEM; a TMA box's start on the innermost GMEM dimension has to
+be 16-byte aligned, which neither Mosaic, interpret mode nor cross-lowering checks (a dynamic
+misaligned start is reported to fault on the GPU with an illegal instruction); interpret mode
+takes WGMMA operands only from SMEM and has no ``pl.run_state`` (accumulators start at zero here);
+nested RefUnions do not unpack; broadcast vectors with ``lax.broadcast_in_dim`` (``x[None, :]``
+finds no layout); stores to unswizzled SMEM need ``optimized=False`` (``plgpu.store`` in 0.12,
+plain ``ref[...] =`` in 0.11.2).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +95,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["CHUNK", "chunk_tables", "kda_prefill_fused_pallas", "kda_prefill_pallas"]
+__all__ = ["CHUNK", "GPU_CHECKS", "GpuCheck", "chunk_tables", "kda_prefill_fused_pallas",
+           "kda_prefill_pallas"]
 
 CHUNK = 64          # tokens per chunk (WGMMA M)
 SUB = 16            # tokens per decay-reference block inside a chunk
@@ -95,6 +107,30 @@ _COL = _WG.reduce(0)   # [N] vector indexed by tile column, broadcast along rows
 # No reduction crosses warps (the fused L2 norm sums along rows, inside a warp): no SMEM scratch.
 _PARAMS = dict(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True,
                reduction_scratch_bytes=0)
+
+
+class GpuCheck(NamedTuple):
+    """One configuration of the compiled-kernel checks on the H200."""
+    name: str
+    T: int
+    cu: tuple[int, ...] | None = None     # cu_seqlens (None: one sequence)
+    fused: bool = False                   # kda_prefill_fused_pallas (raw projections in)
+    with_state: bool = False              # pass an initial state
+    block_v: int = 32
+    H: int = 32                           # Ling-3.0-flash: 32 heads, K = V = 128
+    K: int = 128
+    V: int = 128
+    seed: int | None = None               # input seed (None: T)
+
+
+# The GPU checks: tests/test_pallas_kda_prefill.py's gpu_only tests and bench/kda_prefill_debug.py
+# (one subprocess per configuration and stage) both run this one list.
+GPU_CHECKS = (
+    GpuCheck("T100", 100),
+    GpuCheck("T8192", 8192),
+    GpuCheck("T8192_packed3", 8192, cu=(0, 1000, 1001, 8192)),
+    GpuCheck("T8192_fused", 8192, fused=True, seed=1),
+)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -168,7 +204,7 @@ def _sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def _prep_body(K, V, scale, lower_bound, *refs):
+def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     """Kernel 1. With ``lower_bound`` set (fused preprocessing) the inputs are raw q, k, the gate
     projection f (instead of g), beta logits, dt_bias [H, K] and exp(A_log) [H]."""
     C, KP = CHUNK, 64
@@ -190,7 +226,10 @@ def _prep_body(K, V, scale, lower_bound, *refs):
     (g_s,), (d_op, e_op) = g_or_inv
     rows = pl.ds(t0, C)
     first = (f_g.at[rows, h, :], f_s) if fused else (g_g.at[rows, h, :], g_s)
-    loads = [first, (b_g.at[h, rows], b_s), (k_g.at[rows, h, :], k_s),
+    # beta comes in chunk space (see _beta_chunks): its box starts at a multiple of 64 tokens on
+    # its innermost dimension; the token dimension of q, k, v, g is not innermost, so any t0 works.
+    b_rows = rows if token_space_beta else pl.ds(pl.multiple_of(n * C, C), C)
+    loads = [first, (b_g.at[h, b_rows], b_s), (k_g.at[rows, h, :], k_s),
              (q_g.at[rows, h, :], q_s), (v_g.at[rows, h, :], v_s)]
     if fused:
         loads.append((dtb_g.at[h], dtb_s))
@@ -336,9 +375,36 @@ def _prep_body(K, V, scale, lower_bound, *refs):
     plgpu.wait_smem_to_gmem(0)
 
 
+# Debugging only (bench/kda_prefill_debug.py --repro sets it in its own worker process): kernel 1
+# reads beta in token space as before the fix, to reproduce the fault on the GPU.
+_TOKEN_SPACE_BETA = False
+
+
+def _beta_chunks(beta_t, tok0, ntok):
+    """beta [H, T'] (T' >= T, token space) -> [H, N * 64] in chunk space, zeros past each chunk's
+    valid rows.
+
+    Why: a TMA box's start on the innermost (contiguous) global dimension has to be 16-byte
+    aligned (reported for Hopper TMA elsewhere: a misaligned start faults at run time with
+    CUDA_ERROR_ILLEGAL_INSTRUCTION; Mosaic, interpret mode and cross-lowering do not check it;
+    ``bench/kda_prefill_debug.py --repro`` tests it on the H200). In token space [H, T] the
+    innermost coordinate of a chunk's beta box is its first token, not a multiple of 4 (16 B of
+    fp32) whenever a packed sequence starts at cu[s] % 4 != 0 (e.g. cu = [0, 1000, 1001, 8192]).
+    In chunk space every box starts at n * 64.
+    """
+    C = CHUNK
+    H, Tp = beta_t.shape
+    N = tok0.shape[0]
+    r = jnp.arange(C, dtype=jnp.int32)
+    idx = jnp.minimum(tok0[:, None] + r, Tp - 1)                    # [N, C]
+    vals = jnp.take(beta_t.astype(_F32), idx.reshape(-1), axis=1).reshape(H, N, C)
+    return jnp.where(r < ntok[:, None], vals, 0.0).reshape(H, N * C)
+
+
 def _prep(tok0, ntok, q, k, v, g, beta_t, gate, scale, interpret):
     """Kernel 1 over all N chunk slots and H heads; see the module docstring.
 
+    beta_t: beta (or its logits) as [H, T'] fp32, T' >= T (token space; moved to chunk space here).
     gate: None (g is the log decay) or (dt_bias [H, K], exp(A_log) [H], lower_bound) with g the
     raw gate projection f (fused preprocessing).
     """
@@ -346,6 +412,10 @@ def _prep(tok0, ntok, q, k, v, g, beta_t, gate, scale, interpret):
     N = tok0.shape[0]
     _, H, K = k.shape
     V = v.shape[-1]
+    if _TOKEN_SPACE_BETA:        # the pre-fix layout (debugging only; rows padded to 16 bytes)
+        beta_t = jnp.pad(beta_t.astype(_F32), ((0, 0), (0, (-beta_t.shape[1]) % 4)))
+    else:
+        beta_t = _beta_chunks(beta_t, tok0, ntok)
     sd = lambda *shape, dt=_BF: jax.ShapeDtypeStruct(shape, dt)
     tiled = lambda shape, minor: plgpu.SMEM(shape, _BF, transforms=_swizzled(minor))
     late = ((tiled((C, 64), 64), tiled((2, C, 64), 64)),           # Akk/Aqk B and A (x2)
@@ -368,7 +438,7 @@ def _prep(tok0, ntok, q, k, v, g, beta_t, gate, scale, interpret):
         args += [dt_bias, a_exp]
     scratch.append(plgpu.Barrier(num_barriers=6 if gate is not None else 5))
     return plgpu.kernel(
-        functools.partial(_prep_body, K, V, scale, lower_bound),
+        functools.partial(_prep_body, K, V, scale, lower_bound, _TOKEN_SPACE_BETA),
         out_type=(sd(N, H, C, K), sd(N, H, C, V), sd(N, H, C, K), sd(N, H, C, K), sd(N, H, C, C),
                   sd(N, H, K, dt=_F32)),
         scratch_types=tuple(scratch),
@@ -512,8 +582,12 @@ def _state(clo, chi, cu, w, u, kd, qg, aqk, gc, s0, T, bv, out_dtype, interpret)
 
 
 def _prefill(q, k, v, g, beta, gate, initial_state, scale, cu_seqlens, out_dtype, block_v,
-             interpret):
-    """Shared wrapper: [B, T, ...] -> packed, checks, chunk tables, the two kernels."""
+             interpret, prep_only=False):
+    """Shared wrapper: [B, T, ...] -> packed, checks, chunk tables, the two kernels.
+
+    prep_only (debugging, bench/kda_prefill_debug.py): stop after kernel 1 and return
+    ((w, u, kd, qg, aqk, gc), (tok0, ntok, clo, chi, cu)).
+    """
     batched = k.ndim == 4
     if batched:
         if cu_seqlens is not None:
@@ -554,11 +628,13 @@ def _prefill(q, k, v, g, beta, gate, initial_state, scale, cu_seqlens, out_dtype
     scale = float(K ** -0.5 if scale is None else scale)
 
     tok0, ntok, clo, chi = chunk_tables(cu, T, n_seq)
-    # beta as [H, T'] (contiguous per head for TMA; T' keeps the row stride a multiple of 16 B)
-    beta_t = jnp.pad(beta.astype(_F32).T, ((0, 0), (0, (-T) % 4)))
+    # beta as [H, T] (contiguous per head); _prep moves it to chunk space for aligned TMA boxes
+    beta_t = beta.astype(_F32).T
     g = g.astype(_BF if gate is not None else _F32)
     w, u, kd, qg, aqk, gc = _prep(tok0, ntok, q.astype(_BF), k.astype(_BF), v.astype(_BF), g,
                                   beta_t, gate, scale, interpret)
+    if prep_only:
+        return (w, u, kd, qg, aqk, gc), (tok0, ntok, clo, chi, cu)
     s0 = None if initial_state is None else initial_state.astype(_F32)
     o, s_final = _state(clo, chi, cu, w, u, kd, qg, aqk, gc, s0, T, block_v, out_dtype, interpret)
     if batched:

@@ -5,10 +5,12 @@ On CPU: (1) Mosaic GPU interpret mode with race detection vs the XLA reference
 the 64-token chunk, empty and one-token sequences, with and without initial state, K = 64 and
 128, decay down to -9 per token, strongly correlated keys); the fused-preprocessing variant vs
 the float64 oracle; (2) packed sequences give bit-identical results to separate calls and to
-[B, T, ...] inputs; (3) the chunk tables vs a Python loop; (4) cross-lowering for CUDA at the
-Ling shape. On a GPU (``JAX_PLATFORMS=cuda``; skipped elsewhere): the compiled kernels at H=32,
-K=V=128, T in {100, 8192}, bf16 inputs, relative RMSE <= 5e-3 vs float64 on 4 heads.
-Speed: bench/kda_prefill_timing.py.
+[B, T, ...] inputs; (3) the chunk tables and chunk-space beta vs a Python loop; (4) cross-lowering
+for CUDA at the Ling shape; (5) bench/kda_prefill_debug.py in interpret mode on one tiny config.
+On a GPU (``JAX_PLATFORMS=cuda``; skipped elsewhere): the compiled kernels for each of
+kda_prefill.GPU_CHECKS (H=32, K=V=128, T in {100, 8192}, one or three packed sequences, fused or
+not), bf16 inputs, relative RMSE <= 5e-3 vs float64 on 4 heads. GPU triage, one process per check
+and kernel stage: bench/kda_prefill_debug.py. Speed: bench/kda_prefill_timing.py.
 """
 
 import jax
@@ -22,7 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from lingjax.ops.kda import kda_chunked, kda_gate, kda_recurrent_numpy, l2_normalize  # noqa: E402
 from pallas_kernels.kda_prefill import (  # noqa: E402
-    CHUNK, chunk_tables, kda_prefill_fused_pallas, kda_prefill_pallas)
+    CHUNK, GPU_CHECKS, _beta_chunks, chunk_tables, kda_prefill_fused_pallas, kda_prefill_pallas)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)  # jax 0.12: races raise (on_race="raise")
@@ -205,6 +207,25 @@ def test_chunk_tables_match_a_python_loop():
         assert clo[0] == 0 and list(clo[1:]) == list(chi[:-1])
 
 
+def test_beta_chunks_are_aligned_chunk_space():
+    """beta reaches kernel 1 in chunk space [H, N * 64], so each chunk's TMA box starts at a
+    multiple of 64 tokens on beta's innermost (contiguous) dimension. In token space [H, T] it
+    would start at the chunk's first token: not 16-byte aligned when a sequence starts at
+    cu[s] % 4 != 0, an illegal instruction on the H200 (interpret mode and cross-lowering do not
+    check it)."""
+    rng = np.random.default_rng(1)
+    for cu in ([0, 1000, 1001, 1100], [0, 37, 37, 100], [0, 5], [0, 64, 130]):
+        T, S, H = cu[-1], len(cu) - 1, 3
+        beta = rng.uniform(size=(H, T + 3)).astype(np.float32)      # padded rows are ignored
+        tok0, ntok, _, _ = chunk_tables(jnp.asarray(cu, jnp.int32), T, S)
+        got = np.asarray(_beta_chunks(jnp.asarray(beta), tok0, ntok))
+        assert got.shape == (H, len(tok0) * CHUNK)
+        want = np.zeros_like(got)
+        for n, (t0, nt) in enumerate(zip(np.asarray(tok0), np.asarray(ntok))):
+            want[:, n * CHUNK:n * CHUNK + nt] = beta[:, t0:t0 + nt]
+        np.testing.assert_array_equal(got, want)
+
+
 def test_rejects_bad_arguments():
     q, k, v, g, beta, s0 = _inputs(20, 1, 128, 64, gate="near0")
     with pytest.raises(ValueError, match="block_v"):
@@ -249,41 +270,129 @@ def test_fused_cross_lowers_for_cuda_real_shape():
 # ----------------------------------------------------------------------------- GPU only
 
 
-def _oracle_heads(q, k, v, g, beta, heads, cu):
+def _oracle_heads(q, k, v, g, beta, heads, cu, s0=None):
     """float64 recurrence for a few heads (heads are independent), per sequence."""
     pick = lambda x: np.asarray(x).astype(np.float64)[:, heads]
     xs = [pick(x) for x in (q, k, v, g, beta)]
     outs, states = [], []
     for i in range(len(cu) - 1):
-        o, s = kda_recurrent_numpy(*(x[None, cu[i]:cu[i + 1]] for x in xs), scale=q.shape[-1] ** -0.5)
+        st = None if s0 is None else np.asarray(s0, np.float64)[i:i + 1, heads]
+        o, s = kda_recurrent_numpy(*(x[None, cu[i]:cu[i + 1]] for x in xs), st,
+                                   scale=q.shape[-1] ** -0.5)
         outs.append(o[0])
         states.append(s[0])
     return np.concatenate(outs), np.stack(states)
 
 
-@gpu_only
-@pytest.mark.parametrize("T,cu", [(100, None), (8192, None), (8192, [0, 1000, 1001, 8192])])
-def test_gpu_real_shape_accuracy(T, cu):
-    H, K, V = 32, 128, 128
-    q, k, v, g, beta, _ = _inputs(T, H, K, V, gate="safe", seed=T)
-    cu_arr = None if cu is None else np.asarray(cu, np.int32)
-    o, s = jax.block_until_ready(jax.jit(kda_prefill_pallas)(q, k, v, g, beta, cu_seqlens=cu_arr))
+def gpu_check_call(case, interpret=False):
+    """The call one of GPU_CHECKS makes (also used by bench/kda_prefill_debug.py).
+
+    Returns (fn, args, pre, cu): fn(*args, prep_only=False) -> (o, s) runs the kernels (prep_only:
+    kernel 1's outputs and the chunk tables); pre = (q, k, v, g, beta, s0) are the inputs of the
+    references after any fused preprocessing (float64 where x64 is on); cu the sequence bounds.
+    """
+    from pallas_kernels import kda_prefill as kp
+    T, H, K, V = case.T, case.H, case.K, case.V
+    cu = [0, T] if case.cu is None else list(case.cu)
+    seed = T if case.seed is None else case.seed
+    s0 = None
+    if case.with_state:
+        s0 = jnp.asarray(0.5 * np.random.default_rng(seed + 1).standard_normal(
+            (len(cu) - 1, H, K, V)), F32)
+    cu_arr = None if case.cu is None else jnp.asarray(cu, jnp.int32)
+    kw = dict(cu_seqlens=cu_arr, block_v=case.block_v, interpret=interpret)
+    if case.fused:
+        q, k, v, f, bl, A_log, dt_bias = _raw_inputs(T, H, K, V, seed=seed)
+        gate = (dt_bias.astype(F32).reshape(H, K), jnp.exp(A_log.astype(F32)), -5.0)
+
+        def fn(q, k, v, f, bl, s0, prep_only=False):
+            if prep_only:
+                return kp._prefill(q, k, v, f, bl, gate, s0, None, kw["cu_seqlens"], F32,
+                                   case.block_v, interpret, prep_only=True)
+            return kda_prefill_fused_pallas(q, k, v, f, bl, A_log, dt_bias, s0, **kw)
+        x64 = lambda x: jnp.asarray(x, jnp.float64)
+        pre = (l2_normalize(x64(q)), l2_normalize(x64(k)), x64(v),
+               kda_gate(x64(f), x64(A_log), x64(dt_bias)), jax.nn.sigmoid(x64(bl)), s0)
+        return fn, (q, k, v, f, bl, s0), pre, cu
+    q, k, v, g, beta, _ = _inputs(T, H, K, V, gate="safe", seed=seed)
+
+    def fn(q, k, v, g, beta, s0, prep_only=False):
+        if prep_only:
+            return kp._prefill(q, k, v, g, beta, None, s0, None, kw["cu_seqlens"], F32,
+                               case.block_v, interpret, prep_only=True)
+        return kda_prefill_pallas(q, k, v, g, beta, s0, **kw)
+    return fn, (q, k, v, g, beta, s0), (q, k, v, g, beta, s0), cu
+
+
+def _check_on_gpu(case):
+    fn, args, pre, cu = gpu_check_call(case)
+    o, s = jax.block_until_ready(jax.jit(fn)(*args))
     assert bool(jnp.isfinite(o).all()) and bool(jnp.isfinite(s).all())
     heads = [0, 7, 19, 31]
-    ro, rs = _oracle_heads(q, k, v, g, beta, heads, [0, T] if cu is None else cu)
+    ro, rs = _oracle_heads(*pre[:5], heads, cu, pre[5])
     assert _rel_rmse(np.asarray(o)[:, heads], ro) <= ACCURACY
     assert _rel_rmse(np.asarray(s)[:, heads], rs) <= ACCURACY
+
+
+# An illegal instruction poisons the process's CUDA context: every later GPU test of the same
+# pytest process then fails too. bench/kda_prefill_debug.py runs each check in its own process.
+@gpu_only
+@pytest.mark.parametrize("case", [c for c in GPU_CHECKS if not c.fused], ids=lambda c: c.name)
+def test_gpu_real_shape_accuracy(case):
+    _check_on_gpu(case)
 
 
 @gpu_only
-def test_gpu_fused_real_shape_accuracy():
-    T, H, K, V = 8192, 32, 128, 128
-    q, k, v, f, bl, A_log, dt_bias = _raw_inputs(T, H, K, V, seed=1)
-    o, s = jax.block_until_ready(jax.jit(kda_prefill_fused_pallas)(q, k, v, f, bl, A_log, dt_bias))
-    x64 = lambda x: jnp.asarray(x, jnp.float64)
-    pre = (l2_normalize(x64(q)), l2_normalize(x64(k)), x64(v),
-           kda_gate(x64(f), x64(A_log), x64(dt_bias)), jax.nn.sigmoid(x64(bl)))
-    heads = [0, 7, 19, 31]
-    ro, rs = _oracle_heads(*pre, heads, [0, T])
-    assert _rel_rmse(np.asarray(o)[:, heads], ro) <= ACCURACY
-    assert _rel_rmse(np.asarray(s)[:, heads], rs) <= ACCURACY
+@pytest.mark.parametrize("case", [c for c in GPU_CHECKS if c.fused], ids=lambda c: c.name)
+def test_gpu_fused_real_shape_accuracy(case):
+    _check_on_gpu(case)
+
+
+# ----------------------------------------------------------------------------- GPU triage script
+
+
+def test_debug_script_runs_in_interpret_mode(tmp_path):
+    """bench/kda_prefill_debug.py on CPU: one tiny config, kernel 1 alone and both kernels, each
+    in its own process, plus --repro (the pre-fix token-space beta; interpret mode does not
+    check TMA alignment, so it passes here)."""
+    import json
+    from pathlib import Path
+
+    from bench import kda_prefill_debug as dbg
+    rec = dbg.main(["--interpret", "--configs", "T100", "--repro", "--out-dir", str(tmp_path),
+                    "--timeout-s", "240"])
+    rows = rec["rows"]
+    assert [(r["config"], r["stage"], r["status"]) for r in rows] == [
+        ("T100", "prep", "ok"), ("T100", "pipeline", "ok"),
+        ("T8192_packed3_aligned", "prep", "ok"), ("T8192_packed3", "prep", "ok")]
+    prep, pipe = rows[:2]
+    assert prep["case"]["H"] == 1 and prep["case"]["T"] == 100 and prep["finite"]
+    assert prep["gc_rel_rmse"] < 1e-5 and prep["phase"] == "done" and prep["compile_s"] > 0
+    assert max(pipe[k] for k in ("rmse_o_f64", "rmse_s_f64", "rmse_o_xla", "rmse_s_xla")) < ACCURACY
+    assert rows[3]["token_space_beta"] and rows[3]["case"]["cu"] == [0, 18, 19, 150]
+    saved = json.loads(Path(rec["result_path"]).read_text())
+    assert saved["summary"][-1] == "T8192_packed3/prep (token-space beta): ok" and "env" in saved
+    assert saved["repro"].startswith("not reproduced")       # interpret mode does not fault
+    assert (tmp_path / "kda_prefill_debug.log").read_text().count("=== ") == 4
+    assert not (tmp_path / "kda_prefill_debug-partial.json").exists()
+
+
+def test_debug_script_records_timeouts_and_ptxas(tmp_path):
+    from bench import kda_prefill_debug as dbg
+    rec = dbg.main(["--interpret", "--configs", "T100", "--timeout-s", "0.05",
+                    "--out-dir", str(tmp_path)])
+    # kernel 1 timed out: kernel 2 alone runs (and times out too), the pipeline is skipped
+    assert [(r["stage"], r["status"]) for r in rec["rows"]] == [
+        ("prep", "timeout"), ("state", "timeout"), ("pipeline", "skipped")]
+    text = """ptxas info    : Compiling entry function 'mosaic_gpu_prep' for 'sm_90a'
+ptxas info    : Function properties for mosaic_gpu_prep
+    148 bytes stack frame, 148 bytes spill stores, 152 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 148 bytes cumulative stack size, 416 bytes smem
+ptxas info    : Compiling entry function 'mosaic_gpu_state' for 'sm_90a'
+ptxas info    : Used 90 registers"""
+    kernels, lines = dbg.parse_ptxas(text)
+    assert kernels == [
+        {"function": "mosaic_gpu_prep", "arch": "sm_90a", "stack_bytes": 148,
+         "spill_store_bytes": 148, "spill_load_bytes": 152, "registers": 168, "smem_bytes": 416},
+        {"function": "mosaic_gpu_state", "arch": "sm_90a", "registers": 90}]
+    assert len(lines) == 6
