@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from lingjax import xla_env
+from lingjax.kernel_flags import add_kernel_args
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "ling3-tiny" / "config.json"
 
@@ -72,14 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     ap.add_argument("--mesh", default=None,
                     help="split over devices: 'tp=N[,ep=M]'; random weights are then created directly in their shards")
-    ap.add_argument("--kda-kernel", choices=["xla", "pallas"], default="xla",
-                    help="KDA recurrence for decode / verify / commit: XLA ops or the Pallas Mosaic GPU kernel")
-    ap.add_argument("--moe-kernel", choices=["xla", "pallas"], default="xla",
-                    help="routed experts of decode / verify (<= 16 tokens): XLA ops or the Pallas Mosaic GPU "
-                         "expert kernel (bf16 or fp8 weights; not with --mesh)")
-    ap.add_argument("--dense-kernel", choices=["xla", "pallas"], default="xla",
-                    help="dense projections and lm_head of decode / verify (<= 16 tokens): XLA dots or the "
-                         "Pallas Mosaic GPU skinny GEMM (bf16 or fp8 weights; not with --mesh)")
+    add_kernel_args(ap)
     ap.add_argument("--approx", type=_approx, default=None, metavar="MODES",
                     help="approximate speed modes (lingjax/approx.py), off by default: comma list of "
                          "expert_keep=X, bf16_router_head, bf16_kda_state, fp8_mla_cache")
@@ -231,12 +225,11 @@ def main(argv=None) -> dict:
     from lingjax.spec_decode import Decoder, DraftOverride, SpecConfig
 
     from lingjax.quant import quantize_model
-    if a.moe_kernel == "pallas" and jax.default_backend() != "gpu":
-        ap.error(f"--moe-kernel pallas compiles a Mosaic GPU kernel (NVIDIA Hopper GPU); the backend is "
-                 f"{jax.default_backend()!r}: use --moe-kernel xla")
-    if a.dense_kernel == "pallas" and jax.default_backend() != "gpu":
-        ap.error(f"--dense-kernel pallas compiles a Mosaic GPU kernel (NVIDIA Hopper GPU); the backend is "
-                 f"{jax.default_backend()!r}: use --dense-kernel xla")
+    from lingjax.model.kernels import check_runnable
+    try:
+        check_runnable(dict(kda_kernel=a.kda_kernel, moe_kernel=a.moe_kernel, dense_kernel=a.dense_kernel), a.mesh)
+    except ValueError as e:
+        ap.error(str(e))
     dt = {"bf16": jnp.bfloat16, "f32": jnp.float32, "fp8": jnp.bfloat16}[a.dtype]   # compute dtype
     fp8 = a.dtype == "fp8"
     # ---- config (validated before any weight is built) ------------------------------------------

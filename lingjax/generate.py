@@ -10,6 +10,7 @@ import json
 import sys
 
 from lingjax import xla_env
+from lingjax.kernel_flags import add_kernel_args
 
 DEFAULT_PROMPT = "import os\n\n\ndef read_config(path):\n"
 
@@ -42,15 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["bfloat16", "float32", "float64"], default="bfloat16")
     ap.add_argument("--chunk-steps", type=int, default=16, help="speculative steps per device chunk")
     ap.add_argument("--mesh", default=None, help="split over devices: 'tp=N[,ep=M]' (default: one device)")
-    ap.add_argument("--kda-kernel", choices=["xla", "pallas"], default="xla",
-                    help="KDA recurrence for decode / verify / commit: XLA, or the fused Pallas kernel "
-                         "(NVIDIA Hopper GPU)")
-    ap.add_argument("--moe-kernel", choices=["xla", "pallas"], default="xla",
-                    help="routed experts of decode / verify (<= 16 tokens): XLA, or the Pallas expert kernel "
-                         "(NVIDIA Hopper GPU; bfloat16 or fp8 expert weights)")
-    ap.add_argument("--dense-kernel", choices=["xla", "pallas"], default="xla",
-                    help="dense projections and lm_head of decode / verify (<= 16 tokens): XLA, or the Pallas "
-                         "skinny GEMM (NVIDIA Hopper GPU; bfloat16 or fp8 weights, not with --mesh)")
+    add_kernel_args(ap)
     ap.add_argument("--approx", default=None, metavar="MODES",
                     help="approximate speed modes (off by default; quality cost in bench/approx_quality.py): "
                          "comma list of expert_keep=X, bf16_router_head, bf16_kda_state, fp8_mla_cache")

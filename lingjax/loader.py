@@ -6,11 +6,11 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 
 from lingjax.approx import ApproxModes
 from lingjax.engine import Engine
+from lingjax.model import kernels
 from lingjax.model.dense import check_dense_kernel, set_dense_kernel
 from lingjax.model.kda import check_kda_kernel, set_kda_kernel
 from lingjax.model.mlp import check_moe_kernel, set_moe_kernel
@@ -63,23 +63,9 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
         check_kda_kernel(kda_kernel, dtype=jdtype)
         check_moe_kernel(moe_kernel, dtype=jdtype)
         check_dense_kernel(dense_kernel, dtype=jdtype)
+        kernels.check_runnable(dict(kda_kernel=kda_kernel, moe_kernel=moe_kernel, dense_kernel=dense_kernel), mesh)
     except ValueError as e:
         raise LoadError(str(e)) from None
-    if kda_kernel == "pallas" and jax.default_backend() != "gpu":
-        raise LoadError(f"--kda-kernel pallas needs an NVIDIA Hopper GPU (a Mosaic GPU kernel); the backend is "
-                        f"{jax.default_backend()!r}: use --kda-kernel xla")
-    if moe_kernel == "pallas" and mesh is not None:
-        raise LoadError("--moe-kernel pallas with --mesh is not supported yet: the kernel is not split over "
-                        "devices (no shard_map over experts); use --moe-kernel xla")
-    if moe_kernel == "pallas" and jax.default_backend() != "gpu":
-        raise LoadError(f"--moe-kernel pallas needs an NVIDIA Hopper GPU (a Mosaic GPU kernel); the backend is "
-                        f"{jax.default_backend()!r}: use --moe-kernel xla")
-    if dense_kernel == "pallas" and mesh is not None:
-        raise LoadError("--dense-kernel pallas with --mesh is not supported yet: the kernel is not split over "
-                        "devices (no shard_map over the projections); use --dense-kernel xla")
-    if dense_kernel == "pallas" and jax.default_backend() != "gpu":
-        raise LoadError(f"--dense-kernel pallas needs an NVIDIA Hopper GPU (a Mosaic GPU kernel); the backend is "
-                        f"{jax.default_backend()!r}: use --dense-kernel xla")
     try:
         modes = approx if isinstance(approx, ApproxModes) else ApproxModes.parse(approx)
     except ValueError as e:

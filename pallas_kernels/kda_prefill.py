@@ -95,6 +95,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import store, swizzled
+
 __all__ = ["CHUNK", "GPU_CHECKS", "GpuCheck", "chunk_tables", "kda_prefill_fused_pallas",
            "kda_prefill_pallas"]
 
@@ -136,21 +138,10 @@ GPU_CHECKS = (
 # ----------------------------------------------------------------------------- helpers
 
 
-def _swizzled(minor_elems: int, itemsize: int = 2):
-    """Tiling + swizzle transforms for a WGMMA operand whose rows hold `minor_elems` elements."""
-    sw = min(128, minor_elems * itemsize)
-    return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
-
 
 def _load(ref, layout=_WG):
     return plgpu.load(ref, layout=layout, optimized=False)
 
-
-def _store(ref, x):
-    if hasattr(plgpu, "store"):          # jax >= 0.12
-        plgpu.store(ref, x, optimized=False)
-    else:                                # jax 0.11: `ref[...] =` already falls back when needed
-        ref[...] = x
 
 
 def _iota(shape, dim):
@@ -251,7 +242,7 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
 
     def cumsum_row(r, acc):
         acc = acc + jnp.where(r < nt, g_row(r), 0.0)
-        _store(g_s.at[r], acc)
+        store(g_s.at[r], acc)
         return acc
 
     lax.fori_loop(0, C, cumsum_row, plgpu.layout_cast(jnp.zeros((K,), _F32), strided))
@@ -291,7 +282,7 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
                 msel = jnp.where(row >= SUB * J, _cols(m[J], C), msel)
             if p:
                 plgpu.wgmma_wait(0)                                # bc_s is rewritten
-            _store(bc_s, (kf(p) * jnp.exp(msel - G(p))).astype(_BF))   # k_j exp(M_J(j) - G_j)
+            store(bc_s, (kf(p) * jnp.exp(msel - G(p))).astype(_BF))   # k_j exp(M_J(j) - G_j)
             for J in range(C // SUB):
                 cols = pl.ds(SUB * J, SUB)
                 e = jnp.exp(jnp.where(row >= SUB * J, G(p) - _cols(m[J], C), -jnp.inf))
@@ -299,7 +290,7 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
                     buf = n_mma % 2
                     if n_mma >= 2:
                         plgpu.wgmma_wait(1)                        # the MMA reading a_s[buf] is done
-                    _store(a_s.at[buf], a_val.astype(_BF))
+                    store(a_s.at[buf], a_val.astype(_BF))
                     plgpu.commit_smem()
                     plgpu.wgmma(acc.at[:, cols], a_s.at[buf], bc_s.at[cols].transpose((1, 0)))
                     n_mma += 1
@@ -313,13 +304,13 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     # 3. Right-hand sides of U (v: beta goes on T^-1's columns, so v stays exact) and W (exp(G) k,
     #    written over v), then Kd and Qg in place of k and q.
     plgpu.barrier_wait(bars.at[4])
-    _store(rv_s, jnp.where(_iota((C, V), 0) < nt, _load(v_s), 0.0).astype(_BF))
+    store(rv_s, jnp.where(_iota((C, V), 0) < nt, _load(v_s), 0.0).astype(_BF))
     for p in range(K // KP):
         eg = jnp.exp(G(p))
         g_last = _cols(ref_row(C - 1, p), C)
-        _store(part(rw_s, p), (kf(p) * eg).astype(_BF))
-        _store(part(q_s, p), (qf(p) * eg).astype(_BF))
-        _store(part(k_s, p), (kf(p) * jnp.exp(g_last - G(p))).astype(_BF))
+        store(part(rw_s, p), (kf(p) * eg).astype(_BF))
+        store(part(q_s, p), (qf(p) * eg).astype(_BF))
+        store(part(k_s, p), (kf(p) * jnp.exp(g_last - G(p))).astype(_BF))
 
     # 4. (I + Akk)^-1, block-recursively: D = inverse of the 2x2 diagonal blocks (I - L there),
     #    then for b = 2, 4, ..., 32 the inverse of the 2b-blocks is D - D E D, E = L's blocks
@@ -357,7 +348,7 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
                        beta_of(_load(b_s, _COL)), 0.0)
     _split_store(d_op, d * _cols(beta_c, C))
     aqk_s = e_op.at[0]
-    _store(aqk_s, aqk.astype(_BF))
+    store(aqk_s, aqk.astype(_BF))
     plgpu.commit_smem()
 
     def wu(acc_w, acc_u):
@@ -367,8 +358,8 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
         return acc_w[...], acc_u[...]
 
     w, u = pl.run_scoped(wu, plgpu.ACC((C, K), _F32), plgpu.ACC((C, V), _F32))
-    _store(rw_s, w.astype(_BF))
-    _store(rv_s, u.astype(_BF))
+    store(rw_s, w.astype(_BF))
+    store(rv_s, u.astype(_BF))
     plgpu.commit_smem()
     for src, dst in ((rw_s, w_g), (rv_s, u_g), (k_s, kd_g), (q_s, qg_g), (aqk_s, aqk_g)):
         plgpu.copy_smem_to_gmem(src, dst.at[n, h])
@@ -417,7 +408,7 @@ def _prep(tok0, ntok, q, k, v, g, beta_t, gate, scale, interpret):
     else:
         beta_t = _beta_chunks(beta_t, tok0, ntok)
     sd = lambda *shape, dt=_BF: jax.ShapeDtypeStruct(shape, dt)
-    tiled = lambda shape, minor: plgpu.SMEM(shape, _BF, transforms=_swizzled(minor))
+    tiled = lambda shape, minor: plgpu.SMEM(shape, _BF, transforms=swizzled(minor))
     late = ((tiled((C, 64), 64), tiled((2, C, 64), 64)),           # Akk/Aqk B and A (x2)
             (tiled((C, V), V),))                                   # rhs U -> U
     if gate is not None:
@@ -455,8 +446,8 @@ def _prep(tok0, ntok, q, k, v, g, beta_t, gate, scale, interpret):
 def _split_store(ref, x):
     """ref[0], ref[1] = bf16 hi, lo parts of the fp32 x (x ~ hi + lo to ~2^-16 relative)."""
     hi = x.astype(_BF)
-    _store(ref.at[0], hi)
-    _store(ref.at[1], (x - hi.astype(_F32)).astype(_BF))
+    store(ref.at[0], hi)
+    store(ref.at[1], (x - hi.astype(_F32)).astype(_BF))
 
 
 def _store_rows(o_s, o_g, r0, nrows, h, cols):
@@ -532,14 +523,14 @@ def _state_body(K, V, bv, has_s0, clo_g, chi_g, cu_g, w_g, u_g, kd_g, qg_g, aqk_
         o = o + do
         r0 = tok_lo + i * C
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)            # previous O store has read o_s
-        _store(o_s, o.astype(o_s.dtype))
+        store(o_s, o.astype(o_s.dtype))
         plgpu.commit_smem()
         _store_rows(o_s, o_g, r0, jnp.minimum(C, tok_hi - r0), h, cols)
         return S
 
     S = lax.fori_loop(lo, hi, chunk, S)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    _store(s_io, S)
+    store(s_io, S)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(s_io, st_g.at[s, h, :, cols])
     plgpu.wait_smem_to_gmem(0)
@@ -551,7 +542,7 @@ def _state(clo, chi, cu, w, u, kd, qg, aqk, gc, s0, T, bv, out_dtype, interpret)
     _, H, _, K = w.shape
     V = u.shape[-1]
     S = clo.shape[0]
-    op = _swizzled(bv)                   # every WGMMA operand here shares the B operands' swizzle
+    op = swizzled(bv)                   # every WGMMA operand here shares the B operands' swizzle
     args = (clo, chi, cu, w, u, kd, qg, aqk, gc) + (() if s0 is None else (s0,))
     return plgpu.kernel(
         functools.partial(_state_body, K, V, bv, s0 is not None),

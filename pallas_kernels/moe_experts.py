@@ -70,6 +70,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import store, swizzled
+
 __all__ = ["MAX_M", "BLOCK", "moe_experts_pallas", "dedupe_experts", "weight_bytes"]
 
 MAX_M = 16          # tokens per call (decode or a speculative verify block); also the padded N
@@ -81,17 +83,6 @@ _BF, _F32, _FP8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
 _WG = plgpu.Layout.WGMMA
 
 
-def _swizzled(minor_elems: int, itemsize: int):
-    """Tiling + swizzle transforms for a WGMMA operand whose rows hold `minor_elems` elements."""
-    sw = min(128, minor_elems * itemsize)
-    return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
-
-
-def _store(ref, x):
-    if hasattr(plgpu, "store"):          # jax >= 0.12
-        plgpu.store(ref, x, optimized=False)
-    else:                                # jax 0.11: `ref[...] =` falls back when needed
-        ref[...] = x
 
 
 def dedupe_experts(idx, w, n_experts: int):
@@ -129,8 +120,8 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret):
     E, D, _, F = w_gate_up.shape
     U = uniq.shape[0]
     fp8 = su_gu is not None
-    x_tf = _swizzled(BLOCK, 2)
-    w_tf = _swizzled(TF, 2)
+    x_tf = swizzled(BLOCK, 2)
+    w_tf = swizzled(TF, 2)
 
     def body(uniq_g, x_g, w_g, *refs):
         if fp8:
@@ -155,7 +146,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret):
                         for c, src in enumerate((g_s, u_s)):
                             v = plgpu.load(src, layout=_WG, optimized=False)
                             v = (v.astype(_F32) * s_s[c, i]).astype(_BF)
-                            _store(wb_s.at[c], v)
+                            store(wb_s.at[c], v)
                         plgpu.commit_smem()
                         g_s, u_s = wb_s.at[0], wb_s.at[1]
                     plgpu.wgmma(acc_g, g_s.T, x_s.T)
@@ -173,7 +164,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret):
                 return _silu_clamp(acc_g[...], acc_u[...], limit)
 
             act = pl.run_scoped(scoped, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
-            _store(o_s, act.astype(_BF))
+            store(o_s, act.astype(_BF))
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, act_g.at[u, cols])
             plgpu.wait_smem_to_gmem(0)
@@ -199,8 +190,8 @@ def _down(uniq, act_t, w_down, su_d, interpret):
     E, F, D = w_down.shape
     U = uniq.shape[0]
     fp8 = su_d is not None
-    a_tf = _swizzled(BLOCK, 2)
-    w_tf = _swizzled(TD, 2)
+    a_tf = swizzled(BLOCK, 2)
+    w_tf = swizzled(TD, 2)
 
     def body(uniq_g, act_g, w_g, *refs):
         if fp8:
@@ -224,7 +215,7 @@ def _down(uniq, act_t, w_down, su_d, interpret):
                     if fp8:      # dequantise the fp8 chunk into the swizzled bf16 tile
                         v = plgpu.load(w_s, layout=_WG, optimized=False)
                         v = (v.astype(_F32) * s_s[i, (j * TD) // BLOCK]).astype(_BF)
-                        _store(wb_s, v)
+                        store(wb_s, v)
                         plgpu.commit_smem()
                         w_s = wb_s
                     plgpu.wgmma(acc, w_s.T, a_s.T)
@@ -240,11 +231,11 @@ def _down(uniq, act_t, w_down, su_d, interpret):
                 return acc[...]
 
             y = pl.run_scoped(scoped, plgpu.ACC((TD, MAX_M), _F32))
-            _store(o_s, y)
+            store(o_s, y)
 
         @pl.when(e < 0)                      # padding slot: reads nothing, writes zeros
         def _():
-            _store(o_s, plgpu.layout_cast(jnp.zeros((TD, MAX_M), _F32), _WG))
+            store(o_s, plgpu.layout_cast(jnp.zeros((TD, MAX_M), _F32), _WG))
 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s, y_g.at[u, cols])

@@ -65,6 +65,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import store, swizzled
+
 __all__ = ["MAX_M", "BLOCK", "SkinnyConfig", "skinny_gemm_config", "skinny_gemm_pallas",
            "skinny_gemm_reference", "weight_bytes"]
 
@@ -87,17 +89,6 @@ class SkinnyConfig:
     smem_bytes: int   # SMEM of the pipeline scope (the output tile reuses it afterwards)
 
 
-def _swizzled(minor_elems: int, itemsize: int):
-    """Tiling + swizzle transforms for a WGMMA operand whose rows hold `minor_elems` elements."""
-    sw = min(128, minor_elems * itemsize)
-    return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
-
-
-def _store(ref, x):
-    if hasattr(plgpu, "store"):          # jax >= 0.12
-        plgpu.store(ref, x, optimized=False)
-    else:                                # jax 0.11: `ref[...] =` falls back when needed
-        ref[...] = x
 
 
 def _smem_bytes(block_n, stages, m_pad, fp8, n_kblocks):
@@ -135,14 +126,14 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret):
     bn, S, mp = cfg.block_n, cfg.split_k, cfg.m_pad
     kps = K // BLOCK // S                                   # K tiles per program
     ks = kps * BLOCK
-    x_tf = _swizzled(BLOCK, 2)
-    w_tf = _swizzled(bn, 2)
-    specs = [plgpu.BlockSpec((BLOCK, bn), lambda i: (i, 0), transforms=_swizzled(bn, 1) if fp8 else w_tf),
+    x_tf = swizzled(BLOCK, 2)
+    w_tf = swizzled(bn, 2)
+    specs = [plgpu.BlockSpec((BLOCK, bn), lambda i: (i, 0), transforms=swizzled(bn, 1) if fp8 else w_tf),
              plgpu.BlockSpec((mp, BLOCK), lambda i: (0, i), transforms=x_tf)]
 
     def store_out(y, part_g, j, s):
         def scoped(o_s):
-            _store(o_s, y.astype(part_dtype))
+            store(o_s, y.astype(part_dtype))
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, part_g.at[s, pl.ds(j * bn, bn)])
             plgpu.wait_smem_to_gmem(0)

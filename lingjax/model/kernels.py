@@ -12,6 +12,8 @@ import contextvars
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from lingjax.kernel_flags import SWITCHES
+
 _INTERPRET: contextvars.ContextVar = contextvars.ContextVar("pallas_interpret", default=None)
 _MESH: contextvars.ContextVar = contextvars.ContextVar("pallas_kernel_mesh", default=None)
 
@@ -59,3 +61,18 @@ def interpret_arg(switch: str):
                          f"the backend is {jax.default_backend()!r}. Use {switch}='xla' (tests on CPU trace "
                          "the model inside lingjax.model.kernels.pallas_interpret()).")
     return interpret or False
+
+
+def check_runnable(kernels: dict[str, str], mesh) -> None:
+    """ValueError, saying what to do, for a 'pallas' switch this process cannot run: no GPU backend,
+    or a mesh for a kernel that is not split over devices. `kernels`: {switch name: value}."""
+    for name, _, on_mesh in SWITCHES:
+        flag = "--" + name.replace("_", "-")
+        if kernels.get(name, "xla") != "pallas":
+            continue
+        if mesh is not None and not on_mesh:
+            raise ValueError(f"{flag} pallas with --mesh is not supported yet: the kernel is not split over "
+                             f"devices; use {flag} xla")
+        if jax.default_backend() != "gpu":
+            raise ValueError(f"{flag} pallas needs an NVIDIA Hopper GPU (a Mosaic GPU kernel); the backend is "
+                             f"{jax.default_backend()!r}: use {flag} xla")

@@ -1,0 +1,22 @@
+"""The model's kernel switches as command-line flags (no jax import: the CLIs add these before
+lingjax.xla_env has set XLA's flags and jax starts). lingjax.model.kernels runs the switches."""
+from __future__ import annotations
+
+
+# The model's kernel switches: (flag / attribute name, what the Pallas kernel covers, splits over a mesh).
+SWITCHES = (
+    ("kda_kernel", "KDA recurrence of decode / verify / commit: XLA, or the fused Pallas kernel", True),
+    ("moe_kernel", "routed experts of decode / verify calls (<= 16 tokens): XLA, or the Pallas expert "
+                   "kernel (bf16 or fp8 expert weights)", False),
+    ("dense_kernel", "dense projections and lm_head of decode / verify calls (<= 16 tokens): XLA, or the "
+                     "Pallas skinny GEMM (bf16 or fp8 weights)", False),
+)
+
+
+def add_kernel_args(ap) -> None:
+    """--kda-kernel / --moe-kernel / --dense-kernel on an argparse parser (CLI, server, benchmark)."""
+    for name, what, on_mesh in SWITCHES:
+        ap.add_argument("--" + name.replace("_", "-"), choices=["xla", "pallas"], default="xla",
+                        help=f"{what}; 'pallas' needs an NVIDIA Hopper GPU"
+                             + ("" if on_mesh else " and no --mesh"))
+
