@@ -197,6 +197,16 @@ def test_pallas_off_gpu_without_interpret_says_what_to_do():
         Engine(pallas, spec=SpecConfig("mtp", 2)).generate([3, 4, 5], max_tokens=2)
 
 
+def test_mesh_raises_when_traced():
+    """Not split over devices: a trace under kernel_mesh with 2 devices raises."""
+    from lingjax.model.kernels import kernel_mesh
+    _, pallas = models("fp8")
+    mesh = jax.sharding.AbstractMesh((2, 1), ("ep", "tp"))    # only its size is read before the error
+    cache = jax.eval_shape(lambda: pallas.init_cache(1, MAX_LEN))
+    with kernel_mode(), kernel_mesh(mesh), pytest.raises(ValueError, match="not split over devices"):
+        jax.eval_shape(lambda t, c: pallas(t, c), jax.ShapeDtypeStruct((1, 1), jnp.int32), cache)
+
+
 def test_loader_and_cli_flag():
     assert build_parser().parse_args(["--moe-kernel", "pallas"]).moe_kernel == "pallas"
     assert build_parser().parse_args([]).moe_kernel == "xla"

@@ -91,6 +91,9 @@ def _pallas_experts(xf, idx, w, w_gate_up, w_down, limit):
     """moe_experts_pallas on the MoE's weights: compiled on a GPU, interpreted inside
     lingjax.model.kernels.pallas_interpret() (CPU tests)."""
     interpret = kernels.interpret_arg("moe_kernel")
+    if kernels.current_mesh() is not None:
+        raise ValueError("moe_kernel='pallas' is not split over devices (no shard_map over the experts); "
+                         "use moe_kernel='xla' on a device mesh")
     gu, gu_scale, d, d_scale = expert_kernel_weights(w_gate_up, w_down)
     return moe_experts.moe_experts_pallas(xf, idx, w, gu, gu_scale, d, d_scale, limit, interpret=interpret)
 
