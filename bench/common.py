@@ -63,6 +63,18 @@ def time_fn(f, args, iters, warmup):
     return float(np.median(ts)), (time.perf_counter() - t) / iters
 
 
+def time_rows(rows, iters, warmup, rec: dict) -> dict:
+    """`time_fn` for each (name, f, args) row: {name: (median s, pipelined s)}. A row that fails
+    (compile error, OOM) is recorded as rec[f"{name}_error"] and left out; the others still run."""
+    out = {}
+    for name, f, args in rows:
+        try:
+            out[name] = time_fn(f, args, iters, warmup)
+        except Exception as e:          # noqa: BLE001 -- recorded in the result, not swallowed
+            rec[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+    return out
+
+
 def kernel_interpret(ap, a, what: str):
     """For kernel benchmarks: plgpu interpret params under --interpret, else False; exits with a
     clear message when a Mosaic GPU kernel would be compiled on a non-GPU backend."""

@@ -25,7 +25,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.common import time_fn
+from bench.common import time_rows
 from lingjax import xla_env
 
 FLA_MS = {8192: 1.09, 65536: 8.25}      # FLA chunk_kda on the H200 (spec/kda.md)
@@ -132,12 +132,7 @@ def run_T(T, a, interpret, copy_bw) -> dict:
     if a.xla:
         rows.append(("xla", jax.jit(lambda q, k, v, g, b: kda_chunked(
             *(x.astype(jnp.float32)[None] for x in (q, k, v, g, b)))), (q, k, v, g, beta)))
-    for name, fn, args in rows:
-        try:
-            med, piped = time_fn(fn, args, a.iters, a.warmup)
-        except Exception as e:          # record a failing row (compile error, OOM) and go on
-            rec[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
-            continue
+    for name, (med, piped) in time_rows(rows, a.iters, a.warmup, rec).items():
         rec[f"{name}_ms"], rec[f"{name}_pipelined_ms"] = med * 1e3, piped * 1e3
     if "total_ms" not in rec:
         return rec

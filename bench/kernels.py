@@ -26,6 +26,7 @@ import sys
 import time
 from typing import Callable
 
+from bench.common import time_fn
 from lingjax import xla_env
 
 LING = dict(B=1, H=32, K=128)           # Ling-3.0-flash KDA: 32 heads x 128
@@ -121,19 +122,6 @@ def oracle(case: Case, xs, state):
     return kda_recurrent_numpy(*xs, state)
 
 
-def time_call(f, args, iters: int) -> float:
-    """Median seconds of one blocked call (after one warm-up)."""
-    import jax
-    import numpy as np
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
-
-
 def time_loop(fn, xs_sets, state, iters: int, repeats: int = 3) -> float:
     """Seconds per call inside one jitted fori_loop of `iters` calls chaining the state. xs_sets:
     the inputs stacked over a leading axis of LOOP_SETS different draws; call i reads draw
@@ -180,7 +168,7 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
         try:
             f = jax.jit(fn)
             outs = jax.block_until_ready(f(xs, state))
-            t_call = time_call(f, (xs, state), iters)
+            t_call = time_fn(f, (xs, state), iters, 1)[0]
             t_loop = time_loop(fn, xs_sets, state, iters)
         except Exception as e:      # a kernel variant that fails to compile / run: record it, go on
             if ref_out is None:     # the XLA reference must work

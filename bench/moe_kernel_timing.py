@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.common import time_fn
+from bench.common import time_rows
 from lingjax import xla_env
 
 
@@ -107,12 +107,7 @@ def run_M(M, a, weights, interpret, copy_bw) -> dict:
     rows = [("kernel", kern, (x, idx, w, vgu, sgu, vd, sd))]
     if not a.no_gather:
         rows.append(("gather", gather, (x, idx, w, vgu, sgu, vd, sd)))
-    for name, fn, args in rows:
-        try:
-            med, piped = time_fn(fn, args, a.iters, a.warmup)
-        except Exception as e:          # record a failing row (compile error, OOM) and go on
-            rec[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
-            continue
+    for name, (med, piped) in time_rows(rows, a.iters, a.warmup, rec).items():
         rec[f"{name}_us"], rec[f"{name}_pipelined_us"] = med * 1e6, piped * 1e6
         rec[f"{name}_pct_copy"] = 100 * rec["floor_us"] / rec[f"{name}_pipelined_us"]
     if "kernel_us" in rec:

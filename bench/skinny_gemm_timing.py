@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from bench.common import time_fn
+from bench.common import time_rows
 from lingjax import xla_env
 
 LING_SHAPES = "2560x20480,4096x2560,2560x157184"
@@ -105,12 +105,7 @@ def run_row(M, K, N, dtype, w, s, tiling, a, interpret, copy_bw) -> dict:
         else:
             xla = jax.jit(lambda x, w: x @ w)
         rows.append(("xla", xla, (x, *ws)))
-    for name, fn, args in rows:
-        try:
-            med, piped = time_fn(fn, args, a.iters, a.warmup)
-        except Exception as e:          # record a failing row (compile error, OOM) and go on
-            rec[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
-            continue
+    for name, (med, piped) in time_rows(rows, a.iters, a.warmup, rec).items():
         rec[f"{name}_us"], rec[f"{name}_pipelined_us"] = med * 1e6, piped * 1e6
         rec[f"{name}_GBps"] = rec["bytes"] / piped / 1e9
         rec[f"{name}_pct_4p3"] = 100 * rec["bytes"] / piped / COPY_BW_H200
