@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(--profile-tokens long, loop compiled without CUDA graphs so every kernel is "
                          "traced) into DIR/<row>/ and print a per-component breakdown of a step")
     ap.add_argument("--profile-tokens", type=int, default=64, help="output tokens of the profiled request")
+    ap.add_argument("--profile-spec", type=_spec_list, default=None, metavar="METHODS",
+                    help="with --profile: profile only these methods' rows (default: every method in --spec; "
+                         "each profiled method compiles its loop once more)")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     ap.add_argument("--mesh", default=None,
                     help="split over devices: 'tp=N[,ep=M]'; random weights are then created directly in their shards")
@@ -136,6 +139,11 @@ def _check_args(ap, a) -> None:
         ap.error("--dense-kernel pallas streams bf16 or fp8 weights: use --dtype bf16 or fp8")
     if a.profile_tokens < 2:
         ap.error("--profile-tokens must be >= 2")
+    if a.profile_spec is not None and not a.profile:
+        ap.error("--profile-spec needs --profile DIR")
+    if a.profile_spec is not None and set(a.profile_spec) - set(a.spec):
+        ap.error(f"--profile-spec {','.join(a.profile_spec)}: only methods given to --spec can be profiled "
+                 f"(--spec {','.join(a.spec)})")
     for tau in a.forced_accept or ():
         if not speculative:
             if tau != 1:
@@ -382,7 +390,7 @@ def main(argv=None) -> dict:
                 reqs.append(one_request(dec, pattern, a.output_len))
             wall = time.perf_counter() - t_wall
             rec = _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, dev, roofline, n_devices)
-            if a.profile and tau == taus[0]:      # the first row of each method
+            if a.profile and tau == taus[0] and method in (a.profile_spec or a.spec):   # first row per method
                 rec["profile"] = _profile_row(a, dec, pattern, one_request, rec)
             _print_row(rec)
             rec["result_path"] = str(save_result(f"batch1-{method}" + ("" if tau is None else f"-tau{tau:g}"),

@@ -66,6 +66,13 @@ HEAVY_OPS = frozenset({"dot", "convolution", "custom-call", "reduce", "reduce-wi
                        "sort", "dynamic-slice", "dynamic-update-slice", "select-and-scatter"})
 SKIP_VOTE_OPS = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast"})
 PLUMBING_OPS = frozenset({"bitcast", "get-tuple-element", "tuple", "copy", "reshape"})
+COLLECTIVE_OPS = frozenset(f"{op}{part}" for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                                                    "ragged-all-to-all", "collective-permute",
+                                                    "collective-broadcast")
+                           for part in ("", "-start", "-done"))
+# NCCL's kernels (ncclDevKernel_AllReduce_...) and XLA's own collective kernels, by kernel name
+COLLECTIVE_KERNEL = re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|collective",
+                               re.IGNORECASE)
 DEVICE_PROCESS = re.compile(r"^/device:(GPU|TPU):\d+")
 TRACE_GLOBS = ("perfetto_trace.json.gz", "*.trace.json.gz", "*.trace.json", "*.xplane.pb")
 
@@ -200,6 +207,19 @@ def _is_plumbing(ins: _Instr, comps, instrs) -> bool:
     return all(i.opcode in PLUMBING_OPS or i.opcode == "parameter" for i in fused)
 
 
+def _is_collective(ins: _Instr, comps, instrs) -> bool:
+    """A collective op, or a fusion / async wrapper whose called computations hold one."""
+    if ins.opcode in COLLECTIVE_OPS:
+        return True
+    if ins.opcode not in ("fusion", "async-start", "async-update", "async-done"):
+        return False
+    return any(instrs[n].opcode in COLLECTIVE_OPS for c in ins.callees if c in comps for n in comps[c])
+
+
+def _str_or_none(x) -> str | None:
+    return None if x is None else str(x)
+
+
 def _components(comps, instrs) -> tuple[dict[str, str | None], set[str]]:
     """({instruction: component}, names of the instructions without any op_name)."""
     direct: dict[str, str | None] = {}
@@ -265,11 +285,13 @@ class HloIndex:
         self.containers: dict[str, set[str]] = {}
         self.anonymous: dict[str, set[str]] = {}                 # module -> instrs without op_name
         self.kernels: dict[str, dict[str, str | None]] = {}      # module -> sanitized -> component
+        self.collectives: dict[str, set[str]] = {}               # module -> collective instrs
         for text in hlo_texts:
             module, comps, instrs = _parse_hlo(text)
             ops, self.anonymous[module] = _components(comps, instrs)
             self.ops[module] = ops
             self.containers[module] = {n for n, i in instrs.items() if i.opcode in CONTAINER_OPS}
+            self.collectives[module] = {n for n, i in instrs.items() if _is_collective(i, comps, instrs)}
             kern: dict[str, str | None] = {}
             clash = set()
             for n, c in ops.items():
@@ -298,6 +320,14 @@ class HloIndex:
 
     def is_container(self, hlo_op: str, module: str | None = None) -> bool:
         return self._in(self.containers, hlo_op, module) or hlo_op.startswith("command_buffer")
+
+    def is_collective(self, e: "Event") -> bool:
+        """Whether a kernel event is a collective: its instruction is one (all-reduce, all-gather...,
+        or an async-start / fusion wrapping one), or its kernel name is NCCL's / a collective's."""
+        op = e.args.get("hlo_op")
+        if op is not None and self._in(self.collectives, str(op), _str_or_none(e.args.get("hlo_module"))):
+            return True
+        return bool(COLLECTIVE_KERNEL.search(e.name))
 
     def is_anonymous(self, hlo_op: str, module: str | None = None) -> bool:
         """No op_name on the instruction nor inside it: its component, if any, was inferred."""
@@ -460,10 +490,17 @@ class Breakdown:
     matched_by: dict[str, int]                 # kernels found via hlo_op (inferred: from neighbours) /
                                                # the op path arg name / the kernel name / none
     notes: list[str]
+    collective_us: float = 0.0                 # collective kernels' time (means over devices); these
+                                               # kernels are also in their component's row
+    collective_kernels: int = 0                # all devices
     trace: str = ""
 
+    @property
+    def collective_per_step_us(self) -> float | None:
+        return self.collective_us / self.steps if self.steps else None
+
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self) | {"collective_per_step_us": self.collective_per_step_us}
 
 
 def _classify(e: Event, index: HloIndex):
@@ -520,9 +557,13 @@ def breakdown_events(events: list[Event], index: HloIndex, steps: int | None = N
     other = {}
     cache = {}
     graph_kernels = 0
+    coll_us, coll_n = 0.0, 0
     for e in kernels:
         if not win.touches(e.ts, e.ts + e.dur):
             continue
+        if index.is_collective(e):
+            coll_us += excl[id(e)] / n_dev
+            coll_n += 1
         key = (e.name, str(e.args.get("hlo_op")), str(e.args.get("hlo_module")), str(e.args.get("name")),
                str(e.args.get("prefix")))
         if key not in cache:
@@ -555,7 +596,7 @@ def breakdown_events(events: list[Event], index: HloIndex, steps: int | None = N
     kps = {k: v / steps / n_dev for k, v in count.items()} if steps else None
     unmatched = sorted(other.values(), key=lambda o: -o["us"])[:top]
     return Breakdown(total, per_step, {k: v / win.length for k, v in total.items()}, count, kps,
-                     win.length, busy, devices, steps, unmatched, matched_by, notes)
+                     win.length, busy, devices, steps, unmatched, matched_by, notes, coll_us, coll_n)
 
 
 def breakdown(trace_dir, hlo_texts: list[str], steps: int | None = None, *, windows=None,
@@ -604,6 +645,11 @@ def format_table(b: Breakdown) -> str:
     lines.append(f"window {b.window_us / 1e3:.3f} ms, busy {b.busy_us / 1e3:.3f} ms on {len(b.devices)} "
                  f"device(s)" + (f", {b.steps} steps" if b.steps else "") + "; kernels matched by "
                  + ", ".join(f"{k} {v}" for k, v in b.matched_by.items()))
+    if b.collective_kernels:
+        per_step = (f", {b.collective_per_step_us:.1f} us/step, "
+                    f"{b.collective_kernels / b.steps / len(b.devices):.1f} kernels/step per device" if b.steps else "")
+        lines.append(f"collectives (inside the rows above): {b.collective_us / 1e3:.3f} ms "
+                     f"({b.collective_us / b.window_us * 100:.1f}% of the window){per_step}")
     if b.unmatched:
         lines.append("top 'other' kernels (us, count, reason):")
         for o in b.unmatched:

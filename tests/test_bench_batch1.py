@@ -47,6 +47,8 @@ def test_batch1_smoke(tmp_path, capsys, spec, tau, block, dtype):
     (["--spec", "dspark", "--block-size", "4", "--forced-accept", "6"], "outside 1..block+1"),
     (["--spec", "mtp", "--forced-accept", "0.5"], "outside 1..block+1"),
     (["--spec", "none,eagle"], "expected none, mtp, dspark"),
+    (["--spec", "none", "--profile-spec", "none"], "needs --profile"),
+    (["--spec", "none", "--profile", "p", "--profile-spec", "dspark"], "only methods given to --spec"),
 ])
 def test_batch1_bad_flags(capsys, extra, msg):
     with pytest.raises(SystemExit) as e:
@@ -66,10 +68,14 @@ def test_batch1_several_rows_share_one_model(tmp_path, capsys):
 
 
 def test_batch1_profile_breakdown(tmp_path, capsys):
-    """--profile traces one more request per row and attributes its device time to components."""
-    rec = batch1.main(BASE + ["--spec", "dspark", "--block-size", "4", "--forced-accept", "3", "--out", str(tmp_path),
-                              "--profile", str(tmp_path / "prof"), "--profile-tokens", "8"])
-    prof = rec["profile"]
+    """--profile traces one more request per row of the --profile-spec methods and attributes its
+    device time to components."""
+    rec = batch1.main(BASE + ["--spec", "none,dspark", "--block-size", "4", "--forced-accept", "3", "--out",
+                              str(tmp_path), "--profile", str(tmp_path / "prof"), "--profile-tokens", "8",
+                              "--profile-spec", "dspark"])
+    plain, spec = rec["rows"]
+    assert "profile" not in plain and not (tmp_path / "prof" / "none").exists()
+    prof = spec["profile"]
     assert prof["steps"] >= 2
     for comp in ("kda", "mla", "moe", "draft", "lm_head"):
         assert prof["total_us"][comp] > 0, comp

@@ -309,3 +309,45 @@ def test_cpu_profile(tmp_path):
     xplane = next((tmp_path / "trace").rglob("*.xplane.pb"))      # the xplane reader agrees on the ops
     xb = pb.breakdown(xplane, texts, steps=(runs + 1) * LOOP)
     assert xb.kernels == whole.kernels
+
+
+COLL_HLO = """HloModule jit__coll
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%rs_body (q: f32[8]) -> f32[4] {
+  %q = f32[8]{0} parameter(0)
+  ROOT %rs.1 = f32[4]{0} reduce-scatter(%q), replica_groups={{0,1}}, dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (p: f32[8]) -> f32[4] {
+  %p = f32[8]{0} parameter(0)
+  %ar.1 = f32[8]{0} all-reduce-start(%p), replica_groups={{0,1}}, to_apply=%add, metadata={op_name="jit(f)/moe/psum"}
+  %ard.1 = f32[8]{0} all-reduce-done(%ar.1), metadata={op_name="jit(f)/moe/psum"}
+  %neg.1 = f32[8]{0} negate(%ard.1), metadata={op_name="jit(f)/kda/neg"}
+  %as.1 = ((f32[8]), f32[4]) async-start(%neg.1), calls=%rs_body
+  ROOT %ad.1 = f32[4]{0} async-done(%as.1)
+}
+"""
+
+
+def test_collectives(tmp_path):
+    """Collective kernels are summed apart (by instruction: all-reduce-start, an async wrapper of a
+    reduce-scatter; by name: NCCL's kernels) and still count in their component's row."""
+    mod = {"hlo_module": "jit__coll"}
+    kernels = [(20, 100, 8, "ncclDevKernel_AllReduce_Sum_f32_RING_LL", {"hlo_op": "ar.1", **mod}),
+               (20, 110, 10, "neg_1", {"hlo_op": "neg.1", **mod}),
+               (20, 120, 4, "some_kernel", {"hlo_op": "as.1", **mod}),
+               (20, 130, 2, "ncclDevKernel_SendRecv", {})]
+    b = pb.breakdown(_write(tmp_path, _trace(kernels)), [COLL_HLO], steps=2, window_event="decode")
+    assert b.collective_us == pytest.approx(8 + 4 + 2) and b.collective_kernels == 3
+    assert b.collective_per_step_us == pytest.approx(7)
+    assert b.total_us["moe"] == 8 and b.total_us["kda"] == 10
+    assert "collectives (inside the rows above): 0.014 ms" in pb.format_table(b)
+    assert b.as_dict()["collective_per_step_us"] == pytest.approx(7)
+    none = pb.breakdown(_write(tmp_path / "b", _trace(kernels[1:2])), [COLL_HLO], steps=1, window_event="decode")
+    assert none.collective_us == 0 and "collectives" not in pb.format_table(none)
