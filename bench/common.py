@@ -63,6 +63,76 @@ def time_fn(f, args, iters, warmup):
     return float(np.median(ts)), (time.perf_counter() - t) / iters
 
 
+LOOP_SMOKE = {"per_iter": 1, "repeats": 1}
+
+
+def loop_program(f, n_sets: int, iters: int, per_iter: int = 8):
+    """(jitted run(arg_sets) -> outputs, calls per iteration) for `time_in_loop`."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    n_calls = max(per_iter, n_sets)
+
+    @jax.jit
+    def run(sets):
+        picks = [sets[j % len(sets)] for j in range(n_calls)]
+
+        def body(i, carry):
+            outs = []
+            for args, prev in zip(picks, carry):
+                x = args[0]
+                dep = jax.tree.leaves(prev)[0].reshape(-1)[0].astype(jnp.float32)
+                x = (x.astype(jnp.float32) + 0.0 * dep).astype(x.dtype)   # float x * 0 is not folded
+                outs.append(f(x, *args[1:]))
+            return tuple(outs)
+        shapes = jax.eval_shape(lambda: tuple(f(*args) for args in picks))
+        init = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
+        return lax.fori_loop(0, iters, body, init)
+
+    return run, n_calls     # time_in_loop settings for interpret-mode smoke runs
+
+
+def time_in_loop(f, arg_sets, iters: int, per_iter: int = 8, repeats: int = 3) -> float:
+    """Seconds per call of f(*args) inside one jitted lax.fori_loop of `iters` iterations, each
+    calling f max(per_iter, S) times and cycling over the S argument tuples of arg_sets (e.g. weight
+    copies at different addresses, together larger than the H200's 60 MB L2, as a model's layers
+    are). Call j's first argument x (a floating array) becomes x + 0 * (one element of call j's
+    previous output, from the loop carry), so XLA can neither hoist the calls out of the loop nor
+    merge two calls reading the same arrays (an optimization_barrier does not stop that), and
+    every output is part of the carry, so none is dropped. That dependency is one small fused op
+    per call: subtract `loop_overhead` for the call's own time. No dispatch or host round trip per
+    call (unlike `time_fn`). Median of `repeats` runs after one warm-up run (compile)."""
+    import jax
+    import numpy as np
+    arg_sets = [tuple(a) for a in arg_sets]
+    run, n_calls = loop_program(f, len(arg_sets), iters, per_iter)
+    jax.block_until_ready(run(arg_sets))
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(run(arg_sets))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) / (iters * n_calls)
+
+
+def loop_overhead(arg_sets, iters: int, **kw) -> float:
+    """`time_in_loop` of a call that does nothing but return its (dependency-added) first argument:
+    the per-call cost of the loop and of the dependency op, to subtract."""
+    return time_in_loop(lambda x, *rest: x, arg_sets, iters, **kw)
+
+
+def loop_rows(rows, iters: int, rec: dict, arg_sets, **kw) -> dict:
+    """`time_in_loop` (kw: per_iter, repeats) of each (name, f) row on the same arg_sets: {name:
+    seconds per call}. A row that fails is recorded as rec[f"{name}_loop_error"] and left out; the others still run."""
+    out = {}
+    for name, f in rows:
+        try:
+            out[name] = time_in_loop(f, arg_sets, iters, **kw)
+        except Exception as e:          # noqa: BLE001 -- recorded in the result, not swallowed
+            rec[f"{name}_loop_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+    return out
+
+
 def time_rows(rows, iters, warmup, rec: dict) -> dict:
     """`time_fn` for each (name, f, args) row: {name: (median s, pipelined s)}. A row that fails
     (compile error, OOM) is recorded as rec[f"{name}_error"] and left out; the others still run."""

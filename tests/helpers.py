@@ -3,14 +3,23 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from conftest import LING_TINY
 from lingjax.config import LingConfig
 from lingjax.model.ling import LingModel
 from lingjax.weights import load_hf_model
+
+
+# Mosaic GPU interpret mode runs on the CPU backend only (CI); on a GPU the test_gpu_* tests run
+# the compiled kernels instead.
+interpret_only = pytest.mark.skipif(jax.default_backend() == "gpu",
+                                    reason="Mosaic GPU interpret mode runs on the CPU backend only; on a GPU the "
+                                           "test_gpu_* tests run the compiled kernel")
 
 
 def rel(a, b) -> float:

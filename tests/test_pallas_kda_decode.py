@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
+from helpers import interpret_only  # noqa: E402
 from lingjax.ops.kda import (  # noqa: E402
     kda_recurrent, kda_recurrent_numpy, kda_state_after_prefix, l2_normalize)
 from pallas_kernels.kda_decode import kda_recurrent_pallas, kda_state_after_prefix_pallas  # noqa: E402
@@ -74,6 +75,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("B,T,H,K,gate,block_v", CASES)
+@interpret_only
 def test_interpret_matches_reference(B, T, H, K, gate, block_v):
     args = _inputs(B, T, H, K, K, gate=gate, seed=T * 7 + B + H + K)
     o, s = _run_interpret(*args, block_v=block_v)
@@ -88,6 +90,7 @@ def test_interpret_matches_reference(B, T, H, K, gate, block_v):
     _check(s, ns, 1e-4)
 
 
+@interpret_only
 def test_interpret_custom_scale_and_bf16_inputs():
     q, k, v, g, beta, state = _inputs(1, 4, 2, 64, 64, gate="near0", seed=3)
     bf = lambda x: x.astype(jnp.bfloat16)
@@ -101,6 +104,7 @@ def test_interpret_custom_scale_and_bf16_inputs():
 
 
 @pytest.mark.parametrize("n", [0, 3, 5])
+@interpret_only
 def test_interpret_state_after_prefix(n):
     """Replay commit: masking tokens >= n (g=0, beta=0) is exactly the kernel on the first n tokens."""
     q, k, v, g, beta, state = _inputs(1, 5, 2, 64, 64, gate="near-5", seed=11)

@@ -31,6 +31,9 @@ INTERPRET = plgpu.InterpretGPUParams(detect_races=True)  # jax 0.12: races raise
 # jax 0.11.2 has no on_race: a race is printed and flagged in the interpreter's (private) state.
 RACES_RAISE = "on_race" in getattr(plgpu.InterpretGPUParams, "__dataclass_fields__", {})
 ON_GPU = jax.default_backend() == "gpu"
+# as tests/helpers.interpret_only (not imported: bench/kda_prefill_debug.py imports this module
+# outside pytest, where tests/ is not on the path)
+interpret_only = pytest.mark.skipif(ON_GPU, reason="Mosaic GPU interpret mode runs on the CPU backend only")
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (run with JAX_PLATFORMS=cuda)")
 ACCURACY = 5e-3   # relative RMSE vs float64 (FLA's bar); bf16 MMA operands give ~3e-3
 
@@ -109,6 +112,7 @@ CASES = [
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                             "ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("T,H,K,V,block_v,cu,with_state,gate,key_corr", CASES)
+@interpret_only
 def test_interpret_matches_references(T, H, K, V, block_v, cu, with_state, gate, key_corr):
     n_seq = 1 if cu is None else len(cu) - 1
     q, k, v, g, beta, s0 = _inputs(T, H, K, V, gate=gate, seed=T + H + V, n_seq=n_seq,

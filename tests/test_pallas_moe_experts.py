@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
+from helpers import interpret_only  # noqa: E402
 from lingjax.ops.moe import experts_gather  # noqa: E402
 from lingjax.param_layout import Matrix  # noqa: E402
 from lingjax.quant import FP8, Fp8Weight  # noqa: E402
@@ -139,6 +140,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("M,D,F,mode,limit,kind", CASES)
+@interpret_only
 def test_interpret_matches_experts_gather(M, D, F, mode, limit, kind):
     E, k = 16, 4
     weights = _weights(E, D, F, seed=M + D + F, kind=kind)
@@ -160,6 +162,7 @@ def test_interpret_matches_experts_gather(M, D, F, mode, limit, kind):
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@interpret_only
 def test_interpret_skips_zero_weight_experts(kind):
     """Experts chosen only with combine weight 0 are never read (poisoned with NaN, the output
     stays finite and equals the reference on clean weights); a token whose weights are all 0 gets
@@ -276,6 +279,7 @@ def test_gpu_ling_shape_skips_zero_weight_experts(kind):
     _check(out, jax.jit(_reference)(x, idx, w, *weights), 2e-2)
 
 
+@interpret_only
 def test_timing_entry_point_cpu_smoke(tmp_path):
     """bench/moe_kernel_timing.py end to end in interpret mode (tiny shape; times meaningless)."""
     from bench.moe_kernel_timing import main
@@ -288,6 +292,7 @@ def test_timing_entry_point_cpu_smoke(tmp_path):
     assert len(list(tmp_path.glob("moe_kernel_timing-*.json"))) == 1
 
 
+@interpret_only
 def test_timing_entry_point_bf16_cpu_smoke(tmp_path):
     from bench.moe_kernel_timing import main
     rec = main(["--interpret", "--weights", "bf16", "--M", "3", "--E", "8", "--D", "128", "--F", "128",

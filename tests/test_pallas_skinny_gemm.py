@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
+from helpers import interpret_only  # noqa: E402
 from lingjax.quant import FP8  # noqa: E402
 from pallas_kernels.skinny_gemm import (skinny_gemm_config, skinny_gemm_pallas,  # noqa: E402
                                         skinny_gemm_reference, weight_bytes)
@@ -73,6 +74,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("M,K,N,fp8,kw", CASES)
+@interpret_only
 def test_interpret_matches_reference(M, K, N, fp8, kw):
     w, s = _weights(K, N, fp8, seed=M + K + N)
     x = _x(M, K, seed=M)
@@ -82,6 +84,7 @@ def test_interpret_matches_reference(M, K, N, fp8, kw):
     _check(out, skinny_gemm_reference(x, w, s), 1e-5)      # float32 accumulation, exact operands
 
 
+@interpret_only
 def test_interpret_default_out_dtype_is_x_dtype():
     w, s = _weights(256, 128, True, seed=3)
     x = _x(2, 256)
@@ -90,6 +93,7 @@ def test_interpret_default_out_dtype_is_x_dtype():
     _check(out, skinny_gemm_reference(x, w, s), 1e-2)
 
 
+@interpret_only
 def test_interpret_each_block_gets_its_own_scale():
     """w = 1, x = 1, scale[kb, nb] = 2**(kb + 3 nb): y[:, n] = 128 * sum_kb scale[kb, n // 128]."""
     K, N = 384, 256
@@ -102,6 +106,7 @@ def test_interpret_each_block_gets_its_own_scale():
         np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(expect, (2, N)))
 
 
+@interpret_only
 def test_interpret_fp8_rows_of_different_magnitudes():
     """fp8 weights run on f16 operands with each token row scaled by a power of two: tiny, huge
     (beyond f16's range) and all-zero rows keep their bf16 precision."""
@@ -199,10 +204,11 @@ def test_gpu_tiling_overrides(kw):
     _check(skinny_gemm_pallas(x, w, s, out_dtype=F32, **kw), skinny_gemm_reference(x, w, s), 1e-4)
 
 
+@interpret_only
 def test_timing_entry_point_cpu_smoke(tmp_path):
     """bench/skinny_gemm_timing.py end to end in interpret mode (tiny shape; times meaningless)."""
     from bench.skinny_gemm_timing import main
-    rec = main(["--interpret", "--M", "9", "--shapes", "256x128", "--iters", "1", "--warmup", "1",
+    rec = main(["--interpret", "--M", "9", "--shapes", "256x128", "--iters", "1", "--warmup", "1", "--copies", "2",
                 "--no-xla-defaults", "--out-dir", str(tmp_path)])
     assert len(rec["results"]) == 2                            # bf16, fp8
     for r in rec["results"]:

@@ -1,0 +1,59 @@
+"""bench/common.py's in-loop timing: every call stays inside the loop (none hoisted, merged or
+dropped), and bench.batch1's copy-bandwidth probe runs in place."""
+import re
+
+import jax
+import jax.numpy as jnp
+
+from bench.batch1 import measure_copy_bandwidth
+from bench.common import LOOP_SMOKE, loop_overhead, loop_program, time_in_loop
+
+
+def _sets(n):
+    return [(jnp.full((4, 256), j + 1.0, jnp.bfloat16), jnp.ones((256, 512), jnp.bfloat16)) for j in range(n)]
+
+
+def _body_and_entry(text: str):
+    comps = re.split(r"\n(?=\S)", text)
+    entry = next(c for c in comps if c.startswith("ENTRY"))
+    while_line = next(line for line in entry.splitlines() if " while(" in line)
+    body_name = re.search(r"body=%?([^\s,]+)", while_line).group(1)
+    body = next(c for c in comps if c.lstrip("%").startswith(body_name + " "))
+    return body, entry
+
+
+def _called(comp: str, comps_text: str) -> int:
+    """Dots inside comp, directly or in the fusions it calls."""
+    n = comp.count(" dot(")
+    for callee in re.findall(r"calls=%?([^\s,]+)", comp):
+        fused = next((c for c in re.split(r"\n(?=\S)", comps_text) if c.lstrip("%").startswith(callee + " ")), "")
+        n += fused.count(" dot(")
+    return n
+
+
+def test_every_call_stays_in_the_loop():
+    """8 calls per iteration over 3 argument sets (3 distinct (x, w) pairs, so 5 calls repeat an
+    earlier one's arrays): all 8 dots are in the while body, none in the entry computation."""
+    sets = _sets(3)
+    run, n_calls = loop_program(lambda x, w: x @ w, len(sets), iters=4, per_iter=8)
+    assert n_calls == 8
+    text = run.lower(sets).compile().as_text()
+    body, entry = _body_and_entry(text)
+    assert _called(body, text) == 8
+    assert _called(entry, text) == 0
+    out = run(sets)
+    assert len(out) == 8 and all(o.shape == (4, 512) for o in out)
+    assert float(out[0][0, 0]) == 256.0 and float(out[1][0, 0]) == 512.0   # x = j + 1 times 256 ones
+
+
+def test_more_sets_than_per_iter_and_positive_times():
+    sets = _sets(10)
+    run, n_calls = loop_program(lambda x, w: x @ w, len(sets), iters=2, per_iter=8)
+    assert n_calls == 10
+    assert time_in_loop(lambda x, w: x @ w, sets, iters=2, **LOOP_SMOKE) > 0
+    assert loop_overhead(sets, iters=2, **LOOP_SMOKE) > 0
+
+
+def test_copy_probe_runs_in_place():
+    bw = measure_copy_bandwidth(4 << 20, repeats=2, chain=3)
+    assert bw > 0 and bw == bw
