@@ -22,12 +22,15 @@ bytes = weight bytes + fp8 scales (what a call must read at least); GBps = bytes
 pct_4p3 = % of 4.3 TB/s (the H200's measured copy bandwidth, the target's yardstick); pct_copy =
 % of the copy bandwidth measured in this process (bench.batch1.measure_copy_bandwidth).
 max_abs_err / ref_max: kernel (float32 out) vs the float32 reference x @ dequantised w.
-Writes bench/results/skinny_gemm_timing-*.json (or --out-dir) via bench.common.save_result.
+Writes bench/results/skinny_gemm_timing-*.json (or --out-dir) via bench.common.save_result;
+skinny_gemm_timing-partial.json there holds the rows so far while it runs (left only if killed).
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
+from pathlib import Path
 
 from bench.common import LOOP_SMOKE, loop_overhead, loop_rows, time_rows
 from lingjax import xla_env
@@ -185,10 +188,13 @@ def main(argv=None) -> dict:
     import jax
 
     from bench.batch1 import measure_copy_bandwidth
-    from bench.common import kernel_interpret, save_result
+    from bench.common import RESULTS, kernel_interpret, save_result
     interpret = kernel_interpret(ap, a, "the kernel")
     copy_bw = measure_copy_bandwidth((1024 if jax.default_backend() == "gpu" else 8) << 20)
     results = []
+    # rewritten after every row, removed at the end: what a killed run (a device time limit) leaves
+    partial = Path(a.out_dir or RESULTS) / "skinny_gemm_timing-partial.json"
+    partial.parent.mkdir(parents=True, exist_ok=True)
     for K, N in shapes:
         for dtype in dtypes:
             from pallas_kernels.skinny_gemm import weight_bytes
@@ -206,9 +212,12 @@ def main(argv=None) -> dict:
                     else:
                         print(_line(rec))
                     results.append(rec)
+                    partial.write_text(json.dumps({"bench": "skinny_gemm_timing", "partial": True,
+                                                   "copy_GBps": copy_bw / 1e9, "results": results}))
             del copies
     record = {"bench": "skinny_gemm_timing", "copy_GBps": copy_bw / 1e9, "results": results}
     save_result("skinny_gemm_timing", record, a.out_dir)
+    partial.unlink(missing_ok=True)
     return record
 
 

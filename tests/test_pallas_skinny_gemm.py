@@ -216,4 +216,6 @@ def test_timing_entry_point_cpu_smoke(tmp_path):
         assert r["finite"] and r["max_abs_err"] <= 1e-5 * r["ref_max"]
         assert r["bytes"] == weight_bytes(256, 128, FP8 if r["dtype"] == "fp8" else BF16)
         assert r["kernel_GBps"] > 0 and "kernel_pct_4p3" in r
-    assert len(list(tmp_path.glob("skinny_gemm_timing-*.json"))) == 1
+    assert len(list(tmp_path.glob("skinny_gemm_timing-*.json"))) == 1      # the partial file is removed
+    for r in rec["results"]:
+        assert r["copies"] == 2 and r["kernel_loop_us"] > 0 and "loop_overhead_us" in r
