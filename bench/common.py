@@ -67,7 +67,14 @@ LOOP_SMOKE = {"per_iter": 1, "repeats": 1}
 
 
 def loop_program(f, n_sets: int, iters: int, per_iter: int = 8):
-    """(jitted run(arg_sets) -> outputs, calls per iteration) for `time_in_loop`."""
+    """(jitted run(arg_sets) -> outputs, calls per iteration) for `time_in_loop`. The loop carries
+    each call's last output and a float32 tag per call (1, 2, ...: distinct, so XLA cannot prove
+    two calls' carries equal and merge them; on the H200 its while-loop simplifier merged 8 calls
+    of 3 weight sets into 3 when the carries started equal). Call j's first argument x (floating)
+    becomes x + 0 * tag_j, tag_j itself becomes tag_j + 0 * (an element of call j's previous
+    output), and (x, *rest) then pass through one optimization_barrier, so no part of a call is
+    loop-invariant: XLA hoists neither the call nor its x-independent work (a dequantisation, a
+    routing prologue) out of the loop."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -76,36 +83,37 @@ def loop_program(f, n_sets: int, iters: int, per_iter: int = 8):
     @jax.jit
     def run(sets):
         picks = [sets[j % len(sets)] for j in range(n_calls)]
+        for args in picks:
+            if not jnp.issubdtype(jnp.result_type(args[0]), jnp.floating):
+                raise TypeError(f"time_in_loop: the first argument must be a floating array (it carries the loop "
+                                f"dependency), got {jnp.result_type(args[0])}")
 
         def body(i, carry):
+            tags, prevs = carry
+            deps = jnp.stack([jnp.sum(jax.tree.leaves(p)[0].ravel()[:1].astype(jnp.float32)) for p in prevs])
+            tags = tags + 0.0 * deps                          # float 0 * y is not folded (NaN, inf)
             outs = []
-            for args, prev in zip(picks, carry):
-                x = args[0]
-                dep = jax.tree.leaves(prev)[0].reshape(-1)[0].astype(jnp.float32)
-                x = (x.astype(jnp.float32) + 0.0 * dep).astype(x.dtype)   # float x * 0 is not folded
-                outs.append(f(x, *args[1:]))
-            return tuple(outs)
+            for j, args in enumerate(picks):
+                x = args[0] + (0.0 * tags[j]).astype(args[0].dtype)
+                x, *rest = lax.optimization_barrier((x, *args[1:]))
+                outs.append(f(x, *rest))
+            return tags, tuple(outs)
         shapes = jax.eval_shape(lambda: tuple(f(*args) for args in picks))
-        # distinct initial values: calls reading the same arrays would otherwise carry values
-        # XLA can prove equal (same init, same update), and its while-loop simplifier merges such
-        # carry elements, i.e. the calls (seen on the H200: 8 calls of 3 weight sets ran as 3)
-        init = tuple(jax.tree.map(lambda sd, j=j: jnp.full(sd.shape, j + 1, sd.dtype), out)
-                     for j, out in enumerate(shapes))
-        return lax.fori_loop(0, iters, body, init)
+        init = (jnp.arange(1, n_calls + 1, dtype=jnp.float32),
+                jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes))
+        return lax.fori_loop(0, iters, body, init)[1]
 
-    return run, n_calls     # time_in_loop settings for interpret-mode smoke runs
+    return run, n_calls
 
 
 def time_in_loop(f, arg_sets, iters: int, per_iter: int = 8, repeats: int = 3) -> float:
     """Seconds per call of f(*args) inside one jitted lax.fori_loop of `iters` iterations, each
     calling f max(per_iter, S) times and cycling over the S argument tuples of arg_sets (e.g. weight
     copies at different addresses, together larger than the H200's 60 MB L2, as a model's layers
-    are). Call j's first argument x (a floating array) becomes x + 0 * (one element of call j's
-    previous output, from the loop carry), so XLA can neither hoist the calls out of the loop nor
-    merge two calls reading the same arrays (an optimization_barrier does not stop that), and
-    every output is part of the carry, so none is dropped. That dependency is one small fused op
-    per call: subtract `loop_overhead` for the call's own time. No dispatch or host round trip per
-    call (unlike `time_fn`). Median of `repeats` runs after one warm-up run (compile)."""
+    are). `loop_program` keeps every call, whole, inside the loop (no hoisting, merging or dead
+    code); its dependency ops are small fused ops per call: subtract `loop_overhead` for the call's
+    own time (`loop_fields`). No dispatch or host round trip per call (unlike `time_fn`). Median
+    of `repeats` runs after one warm-up run (compile)."""
     import jax
     import numpy as np
     arg_sets = [tuple(a) for a in arg_sets]
@@ -123,6 +131,22 @@ def loop_overhead(arg_sets, iters: int, **kw) -> float:
     """`time_in_loop` of a call that does nothing but return its (dependency-added) first argument:
     the per-call cost of the loop and of the dependency op, to subtract."""
     return time_in_loop(lambda x, *rest: x, arg_sets, iters, **kw)
+
+
+def loop_fields(name: str, t: float, overhead: float, nbytes: float, copy_bw: float,
+                ref_bw: float = 4.3e12) -> dict:
+    """Record fields of one in-loop row: raw and net (minus the loop's own cost) µs per call, GB/s
+    and % of ref_bw (4.3 TB/s, the H200's copy bandwidth) and of the measured copy bandwidth for
+    nbytes per call. A call within 10% of the overhead is not resolvable: an error field instead."""
+    net = t - overhead
+    out = {f"{name}_loop_raw_us": t * 1e6}
+    if net < 0.1 * t:
+        out[f"{name}_loop_error"] = (f"{t * 1e6:.2f} us per call is within 10% of the loop's own cost "
+                                     f"({overhead * 1e6:.2f} us): not resolvable")
+        return out
+    out.update({f"{name}_loop_us": net * 1e6, f"{name}_GBps": nbytes / net / 1e9,
+                f"{name}_pct_4p3": 100 * nbytes / net / ref_bw, f"{name}_pct_copy": 100 * nbytes / net / copy_bw})
+    return out
 
 
 def loop_rows(rows, iters: int, rec: dict, arg_sets, **kw) -> dict:

@@ -71,8 +71,8 @@ COLLECTIVE_OPS = frozenset(f"{op}{part}" for op in ("all-reduce", "all-gather", 
                                                     "collective-broadcast")
                            for part in ("", "-start", "-done"))
 # NCCL's kernels (ncclDevKernel_AllReduce_...) and XLA's own collective kernels, by kernel name
-COLLECTIVE_KERNEL = re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|collective",
-                               re.IGNORECASE)
+COLLECTIVE_KERNEL = re.compile(r"(?<![a-z])(?:nccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
+                               r"collective)", re.IGNORECASE)
 DEVICE_PROCESS = re.compile(r"^/device:(GPU|TPU):\d+")
 TRACE_GLOBS = ("perfetto_trace.json.gz", "*.trace.json.gz", "*.trace.json", "*.xplane.pb")
 
@@ -322,11 +322,13 @@ class HloIndex:
         return self._in(self.containers, hlo_op, module) or hlo_op.startswith("command_buffer")
 
     def is_collective(self, e: "Event") -> bool:
-        """Whether a kernel event is a collective: its instruction is one (all-reduce, all-gather...,
-        or an async-start / fusion wrapping one), or its kernel name is NCCL's / a collective's."""
+        """Whether a kernel event is a collective: its instruction, when the HLO knows it, is one
+        (all-reduce, all-gather..., or an async-start / fusion wrapping one); else (no hlo_op, or
+        one not in the HLO) its kernel name is NCCL's or names a collective."""
         op = e.args.get("hlo_op")
-        if op is not None and self._in(self.collectives, str(op), _str_or_none(e.args.get("hlo_module"))):
-            return True
+        module = _str_or_none(e.args.get("hlo_module"))
+        if op is not None and (self._in(self.ops, str(op), module) or self._in(self.containers, str(op), module)):
+            return self._in(self.collectives, str(op), module)      # a known instruction decides
         return bool(COLLECTIVE_KERNEL.search(e.name))
 
     def is_anonymous(self, hlo_op: str, module: str | None = None) -> bool:

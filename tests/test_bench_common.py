@@ -46,6 +46,43 @@ def test_every_call_stays_in_the_loop():
     assert float(out[0][0, 0]) == 256.0 and float(out[1][0, 0]) == 512.0   # x = j + 1 times 256 ones
 
 
+def test_x_independent_work_stays_in_the_loop():
+    """A call whose weight is dequantised inside it (work that does not depend on x): the
+    dequantisation runs in the loop, not once before it (XLA hoisted it before the barrier)."""
+    sets = [(jnp.full((4, 256), j + 1.0, jnp.bfloat16), jnp.ones((256, 512), jnp.float8_e4m3fn),
+             jnp.full((2, 4), 0.5, jnp.float32)) for j in range(2)]
+
+    def f(x, w, s):
+        scale = jnp.repeat(jnp.repeat(s, 128, 0), 128, 1)
+        return x @ (w.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+    run, _ = loop_program(f, len(sets), iters=2, per_iter=4)
+    text = run.lower(sets).compile().as_text()
+    body, entry = _body_and_entry(text)
+    weight_ops = [line for line in entry.splitlines()[1:] if "[256,512]" in line and "parameter(" not in line
+                  and " while(" not in line and "tuple(" not in line]
+    assert weight_ops == [], weight_ops
+    assert float(run(sets)[0][0, 0]) == 128.0
+
+
+def test_first_argument_must_be_floating():
+    import pytest
+    with pytest.raises(TypeError, match="floating"):
+        time_in_loop(lambda i, w: w, [(jnp.ones((2,), jnp.int32), jnp.ones((2,)))], iters=1, **LOOP_SMOKE)
+
+
+def test_loop_fields():
+    from bench.common import loop_fields
+    ok = loop_fields("kernel", 30e-6, 2e-6, 1e8, 4e12)
+    assert ok["kernel_loop_us"] == pytest_approx(28.0) and ok["kernel_pct_4p3"] == pytest_approx(100 * 1e8 / 28e-6 / 4.3e12)
+    bad = loop_fields("kernel", 2.1e-6, 2e-6, 1e8, 4e12)
+    assert "kernel_loop_us" not in bad and "not resolvable" in bad["kernel_loop_error"]
+
+
+def pytest_approx(v):
+    import pytest
+    return pytest.approx(v)
+
+
 def test_more_sets_than_per_iter_and_positive_times():
     sets = _sets(10)
     run, n_calls = loop_program(lambda x, w: x @ w, len(sets), iters=2, per_iter=8)

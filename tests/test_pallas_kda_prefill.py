@@ -142,6 +142,7 @@ def _raw_inputs(T, H, K, V, seed):
     return q, k, v, f, beta_logits, A_log, dt_bias
 
 
+@interpret_only
 def test_fused_preprocessing_interpret():
     """L2 norm, safe gate and beta sigmoid in kernel 1 vs the same math in float64 + the oracle."""
     T, H, K, V, cu = 150, 1, 128, 64, [0, 90, 150]
@@ -161,6 +162,7 @@ def test_fused_preprocessing_interpret():
         kda_prefill_fused_pallas(q, k, v, f, bl, A_log, dt_bias, lower_bound=-20.0)
 
 
+@interpret_only
 def test_fused_neg_inf_padding_is_exact_identity():
     """f = beta_logits = -inf past n tokens gives g = 0, beta = 0 there: the state and the first n
     outputs equal those of the n-token call bit for bit (how a caller masks a padded prompt)."""
@@ -178,6 +180,7 @@ def test_fused_neg_inf_padding_is_exact_identity():
     assert bool(jnp.isfinite(o).all())
 
 
+@interpret_only
 def test_packed_equals_separate_and_batched():
     """Every sequence starts a new chunk, so packing must not change a single bit; [B, T, ...]
     inputs are B packed sequences of T tokens."""

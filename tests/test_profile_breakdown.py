@@ -342,11 +342,13 @@ def test_collectives(tmp_path):
     kernels = [(20, 100, 8, "ncclDevKernel_AllReduce_Sum_f32_RING_LL", {"hlo_op": "ar.1", **mod}),
                (20, 110, 10, "neg_1", {"hlo_op": "neg.1", **mod}),
                (20, 120, 4, "some_kernel", {"hlo_op": "as.1", **mod}),
-               (20, 130, 2, "ncclDevKernel_SendRecv", {})]
+               (20, 130, 2, "ncclDevKernel_SendRecv", {}),
+               (20, 140, 3, "small_reduce_fusion", {}),                          # not 'all_reduce'
+               (20, 150, 1, "all_reduce_lookalike", {"hlo_op": "neg.1", **mod})]  # the HLO decides
     b = pb.breakdown(_write(tmp_path, _trace(kernels)), [COLL_HLO], steps=2, window_event="decode")
     assert b.collective_us == pytest.approx(8 + 4 + 2) and b.collective_kernels == 3
     assert b.collective_per_step_us == pytest.approx(7)
-    assert b.total_us["moe"] == 8 and b.total_us["kda"] == 10
+    assert b.total_us["moe"] == 8 and b.total_us["kda"] == 10 + 1
     assert "collectives (inside the rows above): 0.014 ms" in pb.format_table(b)
     assert b.as_dict()["collective_per_step_us"] == pytest.approx(7)
     none = pb.breakdown(_write(tmp_path / "b", _trace(kernels[1:2])), [COLL_HLO], steps=1, window_event="decode")
