@@ -5,7 +5,8 @@ from __future__ import annotations
 
 # The model's kernel switches: (flag / attribute name, what the Pallas kernel covers, splits over a mesh).
 SWITCHES = (
-    ("kda_kernel", "KDA recurrence of decode / verify / commit: XLA, or the fused Pallas kernel", True),
+    ("kda_kernel", "KDA recurrence of decode / verify / commit and (bf16 models) prefill: XLA, or the "
+                   "Pallas kernels", True),
     ("moe_kernel", "routed experts of decode / verify calls (<= 16 tokens): XLA, or the Pallas expert "
                    "kernel (bf16 or fp8 expert weights)", False),
     ("dense_kernel", "dense projections and lm_head of decode / verify calls (<= 16 tokens): XLA, or the "

@@ -97,12 +97,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import store, swizzled
 
-__all__ = ["CHUNK", "GPU_CHECKS", "GpuCheck", "chunk_tables", "kda_prefill_fused_pallas",
+__all__ = ["CHUNK", "GPU_CHECKS", "GpuCheck", "MIN_LOG_DECAY", "chunk_tables", "kda_prefill_fused_pallas",
            "kda_prefill_pallas"]
 
 CHUNK = 64          # tokens per chunk (WGMMA M)
 SUB = 16            # tokens per decay-reference block inside a chunk
 _BF, _F32 = jnp.bfloat16, jnp.float32
+MIN_LOG_DECAY = -9.0   # per-token log decay g must be >= this (in-chunk decay factors in fp32)
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)   # [M] vector indexed by tile row, broadcast along columns
 _COL = _WG.reduce(0)   # [N] vector indexed by tile column, broadcast along rows
@@ -660,7 +661,7 @@ def kda_prefill_fused_pallas(q, k, v, f, beta_logits, A_log, dt_bias, initial_st
     Padding: f = beta_logits = -inf on a token gives g = 0, beta = 0, an exact identity update
     (how a caller masks tokens past a valid length).
     """
-    if not -9.0 <= lower_bound < 0.0:
+    if not MIN_LOG_DECAY <= lower_bound < 0.0:
         raise ValueError(f"lower_bound={lower_bound} must be in [-9, 0): the in-chunk decay "
                          "factors need g >= -9 per token")
     H, K = k.shape[-2:]

@@ -1,5 +1,7 @@
 """The `kda_kernel` switch ('xla' default | 'pallas'): validation, and the golden tiny model giving
-the same float32 logits on both kernels for prefill + decode and for a pending verify + commit.
+the same float32 logits on both kernels for prefill + decode and for a pending verify + commit; in
+bfloat16 the prefill runs the chunked prefill kernel: logits close to the XLA path's and to the
+published float32 logits, with the state carried between prefill chunks and padded prompts.
 
 Off-GPU the Pallas kernel runs in Mosaic GPU interpret mode (the forwards are traced inside
 `lingjax.model.kernels.pallas_interpret()`); on a GPU (JAX_PLATFORMS=cuda) the same tests run it compiled.
@@ -30,6 +32,7 @@ F32 = jnp.float32
 PROMPT = 11      # prefill length (chunked KDA on both kernels)
 MAX_LEN = 32
 TOL = 2e-5       # float32: the kernel and kda_step / kda_chunked round differently
+BF16_TOL = 2e-2  # bf16 model, prefill kernel vs XLA: measured on CPU 6.7e-3 (residual streams), 2.3e-3 and 1.2e-2 (states)
 
 
 def kernel_mode():
@@ -76,6 +79,113 @@ def runs():
                         verify=np.asarray(ver.logits[0]), after=np.asarray(after.logits[0, 0]),
                         pending=ver.pending, states=states, pos=int(committed.pos)))
     return out
+
+
+BF16 = jnp.bfloat16
+BF16_PROMPT = 96     # two 64-token chunks, the second partial
+BF16_SPLIT = 40      # the same prompt prefilled as 40 + 56 tokens (initial state of the second)
+BF16_PAD = 128       # a padded prompt (valid_len = 96), as the engine's prompt buckets do
+TAPS = (0, 1)        # KDA layers before the first MoE layer (docs/PERFORMANCE.md: in bf16 this random
+                     # model's router flips decisions from layer 2 on, so later layers amplify any
+                     # rounding difference; the comparison is made where it is meaningful)
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_prefill_runs():
+    """bf16 golden model on each kernel: the residual stream after layers 0 and 1 for the 96-token
+    prefill in one forward, in two (40 + 56), and padded to 128 with valid_len 96; the KDA states
+    of those layers after each; and the prefill kernel's calls (counted while tracing)."""
+    from pallas_kernels import kda_prefill
+    xla = golden_model("bfloat16")
+    pallas = set_kda_kernel(nnx.clone(xla), "pallas")
+    ids = jnp.asarray(golden()["long_ids"][:, :BF16_PROMPT], jnp.int32)
+    padded = jnp.pad(ids, ((0, 0), (0, BF16_PAD - BF16_PROMPT)), constant_values=2)
+    real = kda_prefill.kda_prefill_pallas
+    calls = []
+
+    def counting(q, *args, **kw):
+        calls.append(q.shape[1])
+        return real(q, *args, **kw)
+
+    def f32(a):
+        return np.asarray(a, np.float32)
+    out = []
+    kda_prefill.kda_prefill_pallas = counting
+    try:
+        for model in (xla, pallas):
+            calls.clear()
+            cache0 = init_cache(model.cfg, 1, BF16_PAD + 8, BF16)
+            fwd = jax.jit(lambda t, c, n=None, m=model: m(t, c, tap_layers=TAPS, valid_len=n))
+            with kernel_mode():
+                one = fwd(ids, cache0)
+                first = fwd(ids[:, :BF16_SPLIT], cache0)
+                second = fwd(ids[:, BF16_SPLIT:], first.cache)
+                pad = fwd(padded, cache0, jnp.int32(BF16_PROMPT))
+
+            def states(o):
+                return [f32(o.cache.layers[i].state) for i in TAPS]
+            out.append(dict(one=f32(one.taps[0]), split=np.concatenate([f32(first.taps[0]), f32(second.taps[0])]),
+                            pad=f32(pad.taps[0, :BF16_PROMPT]), logits_finite=bool(np.isfinite(f32(one.logits)).all()),
+                            states=states(one), split_states=states(second), pad_states=states(pad),
+                            calls=list(calls)))
+    finally:
+        kda_prefill.kda_prefill_pallas = real
+    return out
+
+
+def test_bf16_prefill_runs_the_prefill_kernel():
+    x, p = bf16_prefill_runs()
+    n_kda = sum(1 for kind in golden_model("bfloat16").cfg.layer_kinds() if kind == "kda")
+    assert x["calls"] == []
+    assert sorted(set(p["calls"])) == [BF16_SPLIT, BF16_PROMPT - BF16_SPLIT, BF16_PROMPT, BF16_PAD]
+    assert len(p["calls"]) == 4 * n_kda
+    assert p["logits_finite"] and x["logits_finite"]
+
+
+def test_bf16_prefill_matches_xla_and_golden():
+    """The kernel rounds q, k to bf16 (lingjax/model/kda.py): the residual streams after the KDA
+    layers 0 and 1 within BF16_TOL of the XLA bf16 path, and no further from the published float32
+    model's than it plus BF16_TOL; their states too; prefill in two chunks and a padded prompt give
+    the one-forward result."""
+    x, p = bf16_prefill_runs()
+    gold = np.concatenate([golden()[f"long_hidden_after_layer_{i}"][:BF16_PROMPT] for i in TAPS], axis=-1)
+    for key in ("one", "split", "pad"):
+        assert rel(p[key], x[key]) <= BF16_TOL, key
+        assert rel(p[key], gold) <= rel(x[key], gold) + BF16_TOL, key
+    for key in ("states", "split_states", "pad_states"):
+        for sp, sx in zip(p[key], x[key], strict=True):
+            assert rel(sp, sx) <= BF16_TOL, key
+    assert rel(p["split"], p["one"]) <= BF16_TOL          # the state carried between prefill chunks
+    assert rel(p["pad"], p["one"]) <= BF16_TOL            # padding past valid_len is an identity
+
+
+def test_bf16_prefill_cross_lowers_for_cuda():
+    """A 200-token bfloat16 prefill with kda_kernel='pallas', emitted for CUDA: two Mosaic GPU
+    calls (the prefill kernel's two stages) per KDA layer. Lowering only: nothing runs."""
+    from lingjax.model.kernels import pallas_cross_lowering
+    model = nnx.eval_shape(lambda: LingModel(tiny_config(), dtype=BF16, kda_kernel="pallas"))
+    graphdef, state = nnx.split(model)
+    cache = jax.eval_shape(lambda: model.init_cache(1, 256))
+
+    def prefill(state, tokens, cache):
+        return nnx.merge(graphdef, state)(tokens, cache, logits="last").logits
+
+    with pallas_cross_lowering():
+        text = jax.jit(prefill).trace(state, jax.ShapeDtypeStruct((1, 200), jnp.int32), cache).lower(
+            lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "mosaic_gpu" in line and "custom_call" in line]
+    assert len(calls) == 2 * sum(1 for kind in model.cfg.layer_kinds() if kind == "kda")
+
+
+def test_float32_prefill_stays_on_xla():
+    """A float32 model keeps kda_chunked for prefill (the kernel would round q, k to bf16)."""
+    _, p = models()
+    kdas = [m for _, m in nnx.iter_modules(p) if isinstance(m, KDA)]
+    assert kdas and not any(m._prefill_kernel(64, False, F32) for m in kdas)
+    assert all(m._prefill_kernel(64, False, BF16) and not m._prefill_kernel(64, True, BF16)
+               and not m._prefill_kernel(1, False, BF16) for m in kdas)
+    soft = set_kda_kernel(nnx.eval_shape(lambda: LingModel(tiny_config(kda_safe_gate=False), dtype=BF16)), "pallas")
+    assert not any(m._prefill_kernel(64, False, BF16) for _, m in nnx.iter_modules(soft) if isinstance(m, KDA))
 
 
 def test_prefill_and_decode_logits_match():

@@ -8,8 +8,13 @@ The recurrence runs on one of two kernels (``kda_kernel``, XLA by default):
            kda_state_after_prefix (commit).
   "pallas" the fused Mosaic GPU kernel (pallas_kernels/kda_decode.py) for decode (T = 1), for the
            outputs of a pending verify block (T <= 16) and for its commit (replay with g = 0,
-           beta = 0 past the accepted prefix: exact identity updates in the kernel). Prefill and
-           any other T > 1 forward stay on kda_chunked. Needs an NVIDIA Hopper GPU, float32
+           beta = 0 past the accepted prefix: exact identity updates in the kernel); and the
+           chunked prefill kernel (pallas_kernels/kda_prefill.py) for every other T > 1 forward
+           (prefill chunks) of a bfloat16 model with the safe gate (g >= -9 per token, which its
+           in-chunk decay factors need). That kernel multiplies bf16 q / k / v (WGMMA operands), so
+           it rounds the fp32 L2-normalised q, k to bf16: the KDA outputs move by ~3e-3 relative
+           (its accuracy bar is 5e-3 vs float64); a float32 model keeps kda_chunked for prefill,
+           as does a model with Kimi's unbounded softplus gate. Needs an NVIDIA Hopper GPU, float32
            accumulation (a bfloat16 / float32 model) and head_dim % 64 == 0. On a CPU backend it
            only runs in interpret mode, when traced inside ``kernels.pallas_interpret()`` (tests). On a
            device mesh (traced inside ``kernels.kernel_mesh(mesh)``, as the Decoder does for sharded
@@ -33,7 +38,7 @@ from lingjax.config import LingConfig
 from lingjax.model import dense, kernels
 from lingjax.model.common import acc_dtype, param, rms_norm
 from lingjax.ops import kda as kda_ops
-from pallas_kernels import kda_decode
+from pallas_kernels import kda_decode, kda_prefill
 
 KDA_KERNELS = ("xla", "pallas")
 
@@ -149,6 +154,9 @@ class KDA(nnx.Module):
         if pallas:
             o, s = _pallas(kda_decode.kda_recurrent_pallas, q, k, v, g, beta, s0,
                            head_axes=(2, 2, 2, 2, 2, 1), out_head_axes=((4, 2), (4, 1)))
+        elif self._prefill_kernel(t, pending, x.dtype):
+            o, s = _pallas(kda_prefill.kda_prefill_pallas, q, k, v, g, beta, s0,
+                           head_axes=(2, 2, 2, 2, 2, 1), out_head_axes=((4, 2), (4, 1)))
         elif t == 1 and not pending:
             o, s = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
             o = o[:, None]
@@ -164,6 +172,12 @@ class KDA(nnx.Module):
         if valid_len is not None:
             return y, KDAState(s, jax.lax.dynamic_slice_in_dim(conv_in, valid_len, ks - 1, axis=1))
         return y, KDAState(s, conv_in[:, t:t + ks - 1])
+
+    def _prefill_kernel(self, t: int, pending: bool, dtype) -> bool:
+        """Whether a forward of t tokens runs the chunked prefill kernel (module docstring)."""
+        cfg = self.cfg
+        return (self.kda_kernel == "pallas" and t > 1 and not pending and jnp.dtype(dtype) == jnp.bfloat16
+                and cfg.kda_safe_gate and cfg.kda_lower_bound >= kda_prefill.MIN_LOG_DECAY)
 
     def _output(self, o, gate, dtype):
         """Gated per-head RMSNorm then o_proj: o [B, T, H, V] (acc), gate [B, T, H, K]."""
