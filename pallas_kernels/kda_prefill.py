@@ -97,13 +97,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import store, swizzled
 
-__all__ = ["CHUNK", "GPU_CHECKS", "GpuCheck", "MIN_LOG_DECAY", "chunk_tables", "kda_prefill_fused_pallas",
-           "kda_prefill_pallas"]
+__all__ = ["CHUNK", "GPU_CHECKS", "GpuCheck", "HEAD_DIMS", "MIN_LOG_DECAY", "chunk_tables",
+           "kda_prefill_fused_pallas", "kda_prefill_pallas"]
 
 CHUNK = 64          # tokens per chunk (WGMMA M)
 SUB = 16            # tokens per decay-reference block inside a chunk
 _BF, _F32 = jnp.bfloat16, jnp.float32
 MIN_LOG_DECAY = -9.0   # per-token log decay g must be >= this (in-chunk decay factors in fp32)
+HEAD_DIMS = (64, 128)  # K (= V in Ling) the kernel takes: 64-channel WGMMA parts, SMEM limit
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)   # [M] vector indexed by tile row, broadcast along columns
 _COL = _WG.reduce(0)   # [N] vector indexed by tile column, broadcast along rows
@@ -598,7 +599,7 @@ def _prefill(q, k, v, g, beta, gate, initial_state, scale, cu_seqlens, out_dtype
                            (b_name, beta, (T, H))):
         if x.shape != shape:
             raise ValueError(f"{name} has shape {x.shape}, expected {shape} (from k {k.shape})")
-    if K not in (64, 128):
+    if K not in HEAD_DIMS:
         raise ValueError(f"K={K} must be 64 or 128 (64-channel WGMMA parts; larger K overflows "
                          "the 227 KiB of SMEM)")
     out_dtype = jnp.dtype(out_dtype)

@@ -11,7 +11,7 @@ The recurrence runs on one of two kernels (``kda_kernel``, XLA by default):
            beta = 0 past the accepted prefix: exact identity updates in the kernel); and the
            chunked prefill kernel (pallas_kernels/kda_prefill.py) for every other T > 1 forward
            (prefill chunks) of a bfloat16 model with the safe gate (g >= -9 per token, which its
-           in-chunk decay factors need). That kernel multiplies bf16 q / k / v (WGMMA operands), so
+           in-chunk decay factors need) and head_dim 64 or 128. That kernel multiplies bf16 q / k / v (WGMMA operands), so
            it rounds the fp32 L2-normalised q, k to bf16: the KDA outputs move by ~3e-3 relative
            (its accuracy bar is 5e-3 vs float64); a float32 model keeps kda_chunked for prefill,
            as does a model with Kimi's unbounded softplus gate. Needs an NVIDIA Hopper GPU, float32
@@ -177,7 +177,8 @@ class KDA(nnx.Module):
         """Whether a forward of t tokens runs the chunked prefill kernel (module docstring)."""
         cfg = self.cfg
         return (self.kda_kernel == "pallas" and t > 1 and not pending and jnp.dtype(dtype) == jnp.bfloat16
-                and cfg.kda_safe_gate and cfg.kda_lower_bound >= kda_prefill.MIN_LOG_DECAY)
+                and cfg.kda_safe_gate and cfg.kda_lower_bound >= kda_prefill.MIN_LOG_DECAY
+                and cfg.head_dim in kda_prefill.HEAD_DIMS)
 
     def _output(self, o, gate, dtype):
         """Gated per-head RMSNorm then o_proj: o [B, T, H, V] (acc), gate [B, T, H, K]."""
