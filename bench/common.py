@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+COPY_BW_H200 = 4.3e12     # bytes/s: the H200's device-to-device copy bandwidth (read + write), spec/gpu.md
 
 
 def env_info() -> dict:
@@ -133,10 +134,9 @@ def loop_overhead(arg_sets, iters: int, **kw) -> float:
     return time_in_loop(lambda x, *rest: x, arg_sets, iters, **kw)
 
 
-def loop_fields(name: str, t: float, overhead: float, nbytes: float, copy_bw: float,
-                ref_bw: float = 4.3e12) -> dict:
+def loop_fields(name: str, t: float, overhead: float, nbytes: float, copy_bw: float) -> dict:
     """Record fields of one in-loop row: raw and net (minus the loop's own cost) µs per call, GB/s
-    and % of ref_bw (4.3 TB/s, the H200's copy bandwidth) and of the measured copy bandwidth for
+    and % of COPY_BW_H200 (the targets' yardstick) and of the measured copy bandwidth for
     nbytes per call. A call within 10% of the overhead is not resolvable: an error field instead."""
     net = t - overhead
     out = {f"{name}_loop_raw_us": t * 1e6}
@@ -145,8 +145,24 @@ def loop_fields(name: str, t: float, overhead: float, nbytes: float, copy_bw: fl
                                      f"({overhead * 1e6:.2f} us): not resolvable")
         return out
     out.update({f"{name}_loop_us": net * 1e6, f"{name}_GBps": nbytes / net / 1e9,
-                f"{name}_pct_4p3": 100 * nbytes / net / ref_bw, f"{name}_pct_copy": 100 * nbytes / net / copy_bw})
+                f"{name}_pct_4p3": 100 * nbytes / net / COPY_BW_H200, f"{name}_pct_copy": 100 * nbytes / net / copy_bw})
     return out
+
+
+def loop_timing(rows, arg_sets, iters: int, rec: dict, nbytes: float, copy_bw: float, *,
+                smoke: bool = False) -> None:
+    """In-loop timing of each (name, f) row on arg_sets into rec: loop_overhead_us, then each
+    row's `loop_fields` (or its error). smoke: LOOP_SMOKE settings (interpret mode: not a
+    timing). A failed overhead run is recorded as rec["loop_overhead_error"] and skips the rows."""
+    kw = LOOP_SMOKE if smoke else {}
+    try:
+        overhead = loop_overhead(arg_sets, iters, **kw)
+    except Exception as e:                        # noqa: BLE001 -- recorded, the caller's other rows still run
+        rec["loop_overhead_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+        return
+    rec["loop_overhead_us"] = overhead * 1e6
+    for name, t in loop_rows(rows, iters, rec, arg_sets, **kw).items():
+        rec.update(loop_fields(name, t, overhead, nbytes, copy_bw))
 
 
 def loop_rows(rows, iters: int, rec: dict, arg_sets, **kw) -> dict:

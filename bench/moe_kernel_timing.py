@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.common import LOOP_SMOKE, loop_fields, loop_overhead, loop_rows, time_rows
+from bench.common import loop_timing, time_rows
 from lingjax import xla_env
 
 
@@ -126,15 +126,7 @@ def run_M(M, a, weights, interpret, copy_bw) -> dict:
     sets = [(xj, ij, wj, vgu, sgu, vd, sd) for xj, ij, wj in draws]
     # every draw is called equally often (8 calls per iteration, or 4 in a smoke run, over 4 draws)
     rec["loop_bytes"] = float(np.mean([weight_bytes(n, a.D, a.F, fp8=fp8) for n in used]))
-    kw = LOOP_SMOKE if interpret else {}          # interpret mode: a smoke run, not a timing
-    try:
-        overhead = loop_overhead(sets, a.iters, **kw)
-    except Exception as e:                        # noqa: BLE001 -- recorded, the other rows still run
-        rec["loop_overhead_error"] = f"{type(e).__name__}: {str(e)[:800]}"
-    else:
-        rec["loop_overhead_us"] = overhead * 1e6
-        for name, t in loop_rows(fns, a.iters, rec, sets, **kw).items():
-            rec.update(loop_fields(name, t, overhead, rec["loop_bytes"], copy_bw))
+    loop_timing(fns, sets, a.iters, rec, rec["loop_bytes"], copy_bw, smoke=bool(interpret))
     if "kernel_us" in rec:
         out = np.asarray(kern(x, idx, w, vgu, sgu, vd, sd), np.float32)
         ref = np.asarray(gather(x, idx, w, vgu, sgu, vd, sd), np.float32)

@@ -32,11 +32,10 @@ import itertools
 import json
 from pathlib import Path
 
-from bench.common import LOOP_SMOKE, loop_fields, loop_overhead, loop_rows, time_rows
+from bench.common import COPY_BW_H200, loop_timing, time_rows
 from lingjax import xla_env
 
 LING_SHAPES = "2560x20480,4096x2560,2560x157184"
-COPY_BW_H200 = 4.3e12
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,15 +129,7 @@ def run_row(M, K, N, dtype, ws_copies, tiling, a, interpret, copy_bw) -> dict:
     for name, (med, piped) in time_rows([(n, jax.jit(f), (x, *ws)) for n, f in fns], a.iters, a.warmup,
                                         rec).items():
         rec[f"{name}_us"], rec[f"{name}_pipelined_us"] = med * 1e6, piped * 1e6
-    kw = LOOP_SMOKE if interpret else {}          # interpret mode: a smoke run, not a timing
-    try:
-        overhead = loop_overhead(sets, a.iters, **kw)
-    except Exception as e:                        # noqa: BLE001 -- recorded, the other rows still run
-        rec["loop_overhead_error"] = f"{type(e).__name__}: {str(e)[:800]}"
-    else:
-        rec["loop_overhead_us"] = overhead * 1e6
-        for name, t in loop_rows(fns, a.iters, rec, sets, **kw).items():
-            rec.update(loop_fields(name, t, overhead, rec["bytes"], copy_bw, COPY_BW_H200))
+    loop_timing(fns, sets, a.iters, rec, rec["bytes"], copy_bw, smoke=bool(interpret))
     if "kernel_us" in rec:
         out = np.asarray(jax.jit(lambda x, *ws: skinny_gemm_pallas(
             x, *ws, interpret=interpret, out_dtype=jnp.float32, **tiling))(x, *ws))

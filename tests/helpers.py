@@ -22,6 +22,21 @@ interpret_only = pytest.mark.skipif(jax.default_backend() == "gpu",
                                            "test_gpu_* tests run the compiled kernel")
 
 
+def kernel_mode():
+    """The kernel switches' test mode: Mosaic GPU interpret mode off-GPU, the compiled kernels on a GPU."""
+    import contextlib
+    from lingjax.model.kernels import pallas_interpret
+    if jax.default_backend() == "gpu":
+        return contextlib.nullcontext()
+    return pallas_interpret()
+
+
+def kernel_forward(model, tokens, cache, **kw):
+    """One jitted forward of `model` (model(tokens, cache, **kw)) in `kernel_mode`."""
+    with kernel_mode():
+        return jax.jit(lambda t, c: model(t, c, **kw))(tokens, cache)
+
+
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))

@@ -19,7 +19,6 @@ layers with fp8 weights. With bf16 weights both paths round each projection's ou
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -29,13 +28,13 @@ import pytest
 from flax import nnx
 
 from conftest import LING_TINY
-from helpers import random_model, rel, tiny_config
+from helpers import kernel_forward, kernel_mode, random_model, rel, tiny_config
 from lingjax.config import preset
 from lingjax.generate import build_parser
 from lingjax.loader import LoadError, load_engine
 from lingjax.model import dense
 from lingjax.model.dense import dense_kernel_plan, set_dense_kernel
-from lingjax.model.kernels import pallas_cross_lowering, pallas_interpret
+from lingjax.model.kernels import pallas_cross_lowering
 from lingjax.model.ling import LingModel
 from lingjax.param_layout import Matrix
 from lingjax.quant import Fp8Weight, quantize, quantize_model
@@ -57,13 +56,6 @@ SMALL_XLA = {
     "bf16_weights": {"kv_a": "N=48 is not a multiple of 64",
                      "shared.w_down": "K=32 is not a multiple of 128"},
 }
-
-
-def kernel_mode():
-    """Interpret mode off-GPU (tests only); the compiled kernel on a GPU."""
-    if jax.default_backend() == "gpu":
-        return contextlib.nullcontext()
-    return pallas_interpret()
 
 
 def _dense_weights(model):
@@ -92,11 +84,6 @@ def _ids():
     return jnp.asarray(np.random.default_rng(0).integers(2, CFG.vocab_size, (1, PROMPT + VERIFY)), jnp.int32)
 
 
-def _forward(model, tokens, cache, **kw):
-    with kernel_mode():
-        return jax.jit(lambda t, c: model(t, c, **kw))(tokens, cache)
-
-
 @functools.lru_cache(maxsize=None)
 def runs(kind: str):
     """Per model: prefill logits (T = PROMPT), decode logits (T = 1) and pending verify logits
@@ -106,11 +93,11 @@ def runs(kind: str):
     out = []
     cache = hidden = None
     for model in models(kind):
-        pre = _forward(model, ids[:, :PROMPT], model.init_cache(1, MAX_LEN))
+        pre = kernel_forward(model, ids[:, :PROMPT], model.init_cache(1, MAX_LEN))
         cache = cache or pre.cache
-        dec = _forward(model, ids[:, PROMPT:PROMPT + 1], cache)
+        dec = kernel_forward(model, ids[:, PROMPT:PROMPT + 1], cache)
         hidden = dec.hidden if hidden is None else hidden
-        ver = _forward(model, ids[:, PROMPT:], cache, pending=True)
+        ver = kernel_forward(model, ids[:, PROMPT:], cache, pending=True)
         with kernel_mode():
             mtp = jax.jit(lambda h, t, c, m=model: m.mtp_forward(h, t, c)[0])(
                 hidden, ids[:, PROMPT + 1:PROMPT + 2], cache)

@@ -8,7 +8,6 @@ Off-GPU the Pallas kernel runs in Mosaic GPU interpret mode (the forwards are tr
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -18,13 +17,12 @@ import pytest
 from flax import nnx
 
 from conftest import LING_TINY
-from helpers import golden, golden_model, rel, tiny_config
+from helpers import golden, golden_model, kernel_mode, rel, tiny_config
 from lingjax.cache import KDAState, init_cache
 from lingjax.engine import Engine
 from lingjax.generate import build_parser
 from lingjax.loader import LoadError, load_engine
 from lingjax.model.kda import KDA, KDAPending, KDAPendingPallas, set_kda_kernel
-from lingjax.model.kernels import pallas_interpret
 from lingjax.model.ling import LingModel, commit
 from lingjax.spec_decode import SpecConfig
 
@@ -33,13 +31,6 @@ PROMPT = 11      # prefill length (chunked KDA on both kernels)
 MAX_LEN = 32
 TOL = 2e-5       # float32: the kernel and kda_step / kda_chunked round differently
 BF16_TOL = 2e-2  # bf16 model, prefill kernel vs XLA: measured on CPU 6.7e-3 (residual streams), 2.3e-3 and 1.2e-2 (states)
-
-
-def kernel_mode():
-    """Interpret mode off-GPU (tests only); the compiled kernel on a GPU."""
-    if jax.default_backend() == "gpu":
-        return contextlib.nullcontext()
-    return pallas_interpret()
 
 
 @functools.lru_cache(maxsize=None)

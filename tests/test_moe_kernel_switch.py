@@ -12,7 +12,6 @@ comparisons allow bf16-sized differences; a bfloat16 model is compared against i
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -22,11 +21,10 @@ import pytest
 from flax import nnx
 
 from conftest import LING_TINY
-from helpers import random_model, rel, tiny_config
+from helpers import kernel_forward, kernel_mode, random_model, rel, tiny_config
 from lingjax.engine import Engine
 from lingjax.generate import build_parser
 from lingjax.loader import LoadError, load_engine
-from lingjax.model.kernels import pallas_interpret
 from lingjax.model.ling import LingModel
 from lingjax.model.mlp import MoE, set_moe_kernel
 from lingjax.quant import Fp8Weight, quantize_model
@@ -38,13 +36,6 @@ PROMPT = 20      # > 16 tokens: prefill stays on XLA with both switches
 VERIFY = 9       # a speculative verify block
 MAX_LEN = 64
 TOL = 2e-2       # float32 model: the kernel rounds x and the SwiGLU output to bf16 (observed ~5e-3)
-
-
-def kernel_mode():
-    """Interpret mode off-GPU (tests only); the compiled kernel on a GPU."""
-    if jax.default_backend() == "gpu":
-        return contextlib.nullcontext()
-    return pallas_interpret()
 
 
 def _moes(model):
@@ -71,11 +62,6 @@ def _ids():
     return jnp.asarray(np.random.default_rng(0).integers(2, CFG.vocab_size, (1, PROMPT + VERIFY)), jnp.int32)
 
 
-def _forward(model, tokens, cache, **kw):
-    with kernel_mode():
-        return jax.jit(lambda t, c: model(t, c, **kw))(tokens, cache)
-
-
 @functools.lru_cache(maxsize=None)
 def runs(kind: str):
     """Per model: prefill logits (T = PROMPT), decode logits (T = 1) and pending verify logits
@@ -83,9 +69,9 @@ def runs(kind: str):
     ids = _ids()
     out = []
     for model in models(kind):
-        pre = _forward(model, ids[:, :PROMPT], model.init_cache(1, MAX_LEN))
-        dec = _forward(model, ids[:, PROMPT:PROMPT + 1], pre.cache)
-        ver = _forward(model, ids[:, PROMPT:], pre.cache, pending=True)
+        pre = kernel_forward(model, ids[:, :PROMPT], model.init_cache(1, MAX_LEN))
+        dec = kernel_forward(model, ids[:, PROMPT:PROMPT + 1], pre.cache)
+        ver = kernel_forward(model, ids[:, PROMPT:], pre.cache, pending=True)
         out.append(dict(prefill=np.asarray(pre.logits[0], np.float64), decode=np.asarray(dec.logits[0], np.float64),
                         verify=np.asarray(ver.logits[0], np.float64), cache=pre.cache))
     return out
@@ -130,8 +116,8 @@ def test_bf16_model_verify():
     first_moe = next(i for i, layer in enumerate(xla.layers) if isinstance(layer.mlp, MoE))
     outs = []
     for model in (ref, xla, pallas):
-        pre = _forward(model, ids[:, :PROMPT], model.init_cache(1, MAX_LEN))
-        outs.append(_forward(model, ids[:, PROMPT:], pre.cache, pending=True, return_all_hidden=True))
+        pre = kernel_forward(model, ids[:, :PROMPT], model.init_cache(1, MAX_LEN))
+        outs.append(kernel_forward(model, ids[:, PROMPT:], pre.cache, pending=True, return_all_hidden=True))
     r, x, p = outs
     assert p.logits.dtype == x.logits.dtype and p.taps.dtype == BF16
     assert np.isfinite(np.asarray(p.logits)).all()
