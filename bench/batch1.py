@@ -6,11 +6,13 @@
 
 Several --spec methods and --forced-accept values (comma lists) run in one process on the same
 weights: one row each (spec none ignores tau), one warm-up per method (the forced-acceptance
-pattern is a traced input, so every tau reuses the compiled loop).
+pattern is a traced input, so every tau reuses the compiled loop). Repeated --approx flags add row
+sets with approximate modes on the same weights (`--approx none --approx expert_keep=0.75`);
+--compile-workers N compiles all row sets' programs ahead, N at a time (full depth: minutes each).
 
 Random-token prompts of --input-len, --output-len greedy tokens each, --num-prompts requests one
-after the other after one excluded warm-up request. Each request is: prefill (jitted, blocked on:
-TTFT), then the whole generation as ONE on-device loop (`Decoder.run` with max_steps large enough,
+after the other after one excluded warm-up request (32 tokens, same programs). Each request is:
+prefill (jitted, blocked on: TTFT), then the whole generation as ONE on-device loop (`Decoder.run` with max_steps large enough,
 blocked on: decode time). TPOT = decode time / (output tokens - 1). The loop never returns to the
 host between steps, so per-step times are not observed: ITL uses the request's mean step time
 split over each step's committed tokens (see `itl_*` in the record).
@@ -27,6 +29,7 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -34,6 +37,7 @@ from pathlib import Path
 from lingjax import xla_env
 from lingjax.kernel_flags import add_kernel_args
 
+WARMUP_TOKENS = 32      # output tokens of each row's excluded warm-up request
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "ling3-tiny" / "config.json"
 
 
@@ -77,9 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mesh", default=None,
                     help="split over devices: 'tp=N[,ep=M]'; random weights are then created directly in their shards")
     add_kernel_args(ap)
-    ap.add_argument("--approx", type=_approx, default=None, metavar="MODES",
+    ap.add_argument("--approx", type=_approx, action="append", default=None, metavar="MODES",
                     help="approximate speed modes (lingjax/approx.py), off by default: comma list of "
-                         "expert_keep=X, bf16_router_head, bf16_kda_state, fp8_mla_cache")
+                         "expert_keep=X, bf16_router_head, bf16_kda_state, fp8_mla_cache ('none' = exact). "
+                         "Repeat the flag to add row sets on the same weights, e.g. --approx none "
+                         "--approx expert_keep=0.75")
+    ap.add_argument("--compile-workers", type=int, default=1, metavar="N",
+                    help="compile every row set's prefill and loop ahead of the runs, N at a time in threads "
+                         "(XLA compiles without the GIL; a full-depth loop takes minutes to compile, so "
+                         "several --approx / --spec row sets gain from N > 1). 1 = compile at each warm-up")
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
     return ap
 
@@ -127,7 +137,13 @@ def _check_args(ap, a) -> None:
     if "dspark" in a.spec and a.checkpoint and not a.draft:
         ap.error("--spec dspark with --checkpoint needs the DSpark draft checkpoint: --draft DIR "
                  "(a random draft is only built for random target weights)")
-    if a.approx is not None and a.approx.fp8_mla_cache and a.mesh:
+    a.approx = a.approx or [_approx("none")]
+    labels = [m.describe() for m in a.approx]
+    if len(set(labels)) != len(labels):
+        ap.error(f"--approx given the same modes twice: {', '.join(labels)}")
+    if a.compile_workers < 1:
+        ap.error(f"--compile-workers must be >= 1, got {a.compile_workers}")
+    if any(m.fp8_mla_cache for m in a.approx) and a.mesh:
         ap.error("--approx fp8_mla_cache with --mesh is not supported yet (no cache sharding for the fp8 scales)")
     if a.moe_kernel == "pallas" and a.mesh:
         ap.error("--moe-kernel pallas with --mesh is not supported yet (the kernel is not split over devices)")
@@ -314,9 +330,6 @@ def main(argv=None) -> dict:
                 dcfg_r = draft_config_for(cfg, a.block_size)
                 draft = sharding.random_init_sharded(lambda: DSparkDraft(dcfg_r, dtype=dt, rngs=nnx.Rngs(1)),
                                                      init_mesh, seed=1)
-        if a.approx is not None:
-            from lingjax.model.ling import set_approx
-            set_approx(target, a.approx)
         if a.moe_kernel != "xla":       # after any fp8 quantisation: it checks the expert weights
             from lingjax.model.mlp import set_moe_kernel
             set_moe_kernel(target, a.moe_kernel)
@@ -330,16 +343,21 @@ def main(argv=None) -> dict:
         block(nnx.state(target))
         if draft is not None:
             block(nnx.state(draft))
-        for method in a.spec:
-            decoders[method] = Decoder(target, SpecConfig(method, max(a.block_size, 1)),
-                                       draft=draft if method == "dspark" else None)
+        from lingjax.model.ling import set_approx
+        for modes in a.approx:     # each Decoder splits the model now: its graph keeps these modes
+            set_approx(target, modes)
+            for method in a.spec:
+                decoders[(modes, method)] = Decoder(target, SpecConfig(method, max(a.block_size, 1)),
+                                                    draft=draft if method == "dspark" else None)
     except ValueError as e:   # draft / MTP that does not fit, bad block size
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
     load_s = time.perf_counter() - t0
     cfg = target.cfg
     print(f"model ready in {load_s:.1f}s: {cfg.num_hidden_layers} layers, {a.dtype}, spec {','.join(a.spec)}"
-          + (f" block {a.block_size}" if B_max else ""), flush=True)
+          + (f" block {a.block_size}" if B_max else "")
+          + ("" if len(a.approx) == 1 and not a.approx[0].any else
+             f", approx {' | '.join(m.describe() for m in a.approx)}"), flush=True)
     dev = jax.devices()[0]
     copy_bytes = (a.copy_mib or (1024 if dev.platform == "gpu" else 64)) << 20
     # the roofline of a step on a mesh is the devices' summed bandwidth (each streams its shards)
@@ -348,24 +366,35 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(a.seed)
     samp = SamplingArrays.from_params(SamplingParams())
 
-    def one_request(dec, pattern, output_len, hlo_path=None, trace_dir=None):
-        """prefill + the whole generation as one device loop; returns timings and statistics.
-        trace_dir: profile the generation loop (not the prefill) there, compiled WITHOUT command
-        buffers (kernels inside a CUDA graph are mostly missing from device traces), and write that
-        executable's HLO to hlo_path (both for the profile breakdown)."""
+    def request_inputs(dec, pattern, output_len):
+        """(prompt [1, input_len], draft override or None, sampling key, step_cost [widths])."""
         B = dec.spec.drafts
         prompt = jax.device_put(jnp.asarray(rng.integers(0, cfg.vocab_size, (1, a.input_len)), jnp.int32))
         override = None
         if pattern is not None:
-            oracle = jnp.asarray(rng.integers(0, cfg.vocab_size, (a.input_len + output_len + B + 8,)), jnp.int32)
+            # sized for --output-len whatever this request's length: one compiled loop serves all
+            oracle = jnp.asarray(rng.integers(0, cfg.vocab_size, (a.input_len + a.output_len + B + 8,)), jnp.int32)
             override = block(DraftOverride(oracle, pattern, jnp.asarray(True)))
         key = jax.random.key(int(rng.integers(0, 2**31 - 1)))
         step_cost = jnp.ones((len(dec.spec.widths),), jnp.float32)
-        block(prompt)
+        return block(prompt), override, key, step_cost
+
+    def one_request(dec, pattern, output_len, hlo_path=None, trace_dir=None, compiled=None):
+        """prefill + the whole generation as one device loop; returns timings and statistics.
+        trace_dir: profile the generation loop (not the prefill) there, compiled WITHOUT command
+        buffers (kernels inside a CUDA graph are mostly missing from device traces), and write that
+        executable's HLO to hlo_path (both for the profile breakdown). compiled: this row's
+        (prefill, loop) executables from compile_ahead, for output_len == --output-len."""
+        prompt, override, key, step_cost = request_inputs(dec, pattern, output_len)
         t = time.perf_counter()
-        st = block(dec.prefill(dec.params, prompt, a.output_len, jnp.int32(output_len), key, samp, step_cost))
+        if compiled is not None:
+            prefill_exe, run = compiled
+            st = block(prefill_exe(dec.params, prompt, jnp.int32(output_len), key, samp, step_cost))
+        else:
+            st = block(dec.prefill(dec.params, prompt, a.output_len, jnp.int32(output_len), key, samp, step_cost))
+            run = dec.run
         t1 = time.perf_counter()
-        run, trace = dec.run, contextlib.nullcontext()
+        trace = contextlib.nullcontext()
         if trace_dir is not None:
             from bench.profile_breakdown import dump_hlo
             run = dec.run.lower(dec.params, st, samp, override, output_len + 1).compile(
@@ -382,34 +411,89 @@ def main(argv=None) -> dict:
         return {"ttft": t1 - t, "decode": t2 - t1, "n_out": int(n_out), "steps": int(steps),
                 "accepted": int(acc), "hist": np.asarray(hist), "pos": np.asarray(pos)}
 
+    def taus_of(method):
+        return [None] if method == "none" or not a.forced_accept else a.forced_accept
+
+    def pattern_of(tau):
+        return None if tau is None else jnp.asarray(accept_pattern(tau), jnp.int32)
+
+    compiled = {}
+    if a.compile_workers > 1:
+        compiled = compile_ahead(decoders, lambda dec, method: request_inputs(dec, pattern_of(taus_of(method)[0]),
+                                                                              a.output_len),
+                                 samp, a.output_len, a.compile_workers)
     records = []
-    for method, dec in decoders.items():
-        taus = [None] if method == "none" or not a.forced_accept else a.forced_accept
+    for (modes, method), dec in decoders.items():
+        taus = taus_of(method)
+        name = method + ("" if modes.describe() == "none" else f" approx {modes.describe()}")
+        exe = compiled.get((modes, method))
         t = time.perf_counter()
-        warm_pattern = None if taus[0] is None else jnp.asarray(accept_pattern(taus[0]), jnp.int32)
-        one_request(dec, warm_pattern, a.output_len)                  # warm-up (compiles), excluded
-        print(f"[{method}] warm-up request (compile) {time.perf_counter() - t:.1f}s", flush=True)
+        # warm-up (compiles unless compiled ahead), excluded: a short request through the same
+        # programs (the output length is a traced limit; max_new, the static cache size, is fixed)
+        one_request(dec, pattern_of(taus[0]), min(a.output_len, WARMUP_TOKENS), compiled=exe)
+        print(f"[{name}] warm-up request" + ("" if exe else " (compile)") + f" {time.perf_counter() - t:.1f}s",
+              flush=True)
         for tau in taus:
-            pattern = None if tau is None else jnp.asarray(accept_pattern(tau), jnp.int32)
+            pattern = pattern_of(tau)
             reqs = []
             t_wall = time.perf_counter()
             for _ in range(a.num_prompts):
-                reqs.append(one_request(dec, pattern, a.output_len))
+                reqs.append(one_request(dec, pattern, a.output_len, compiled=exe))
             wall = time.perf_counter() - t_wall
-            rec = _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, dev, roofline, n_devices)
+            rec = _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, dev, roofline, n_devices,
+                          approx=modes)
             if a.profile and tau == taus[0] and method in (a.profile_spec or a.spec):   # first row per method
                 rec["profile"] = _profile_row(a, dec, pattern, one_request, rec)
             _print_row(rec)
-            rec["result_path"] = str(save_result(f"batch1-{method}" + ("" if tau is None else f"-tau{tau:g}"),
-                                                 rec, a.out))
+            label = re.sub(r"[^A-Za-z0-9_.=-]+", "-", modes.describe())
+            rec["result_path"] = str(save_result(f"batch1-{method}" + ("" if tau is None else f"-tau{tau:g}")
+                                                 + ("" if label == "none" else f"-approx-{label}"), rec, a.out))
             records.append(rec)
     if len(records) > 1:
         _print_summary(records)
     return records[0] if len(records) == 1 else {"rows": records}
 
 
-def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, dev, roofline, n_devices=1) -> dict:
-    """The result record of one row (one spec method at one forced acceptance)."""
+def compile_ahead(decoders: dict, inputs, samp, output_len: int, workers: int) -> dict:
+    """AOT-compile every decoder's prefill and generation loop, `workers` XLA compilations at a time.
+
+    decoders: {(modes, method): Decoder}; inputs(dec, method) -> (prompt, override, key, step_cost)
+    like a timed request's. Tracing and lowering run in this thread (they hold the GIL); XLA's
+    compile releases it, so the compilations overlap in the pool. A loop is lowered as soon as its
+    prefill is compiled (its input is the prefill's output, shardings included).
+    Returns {(modes, method): (prefill, loop)} executables for requests of `output_len` tokens."""
+    import jax
+    import jax.numpy as jnp
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    t0 = time.perf_counter()
+    out, args = {}, {}
+    with ThreadPoolExecutor(workers) as pool:
+        prefills = {}
+        for key, dec in decoders.items():
+            prompt, override, rkey, step_cost = args[key] = inputs(dec, key[1])
+            lowered = dec.prefill.lower(dec.params, prompt, output_len, jnp.int32(output_len), rkey, samp, step_cost)
+            prefills[pool.submit(lowered.compile)] = key
+        loops = {}
+        for fut in as_completed(prefills):
+            key = prefills[fut]
+            exe, dec, override = fut.result(), decoders[key], args[key][1]
+            state = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding), exe.out_info)
+            lowered = dec.run.lower(dec.params, state, samp, override, output_len + 1)
+            loops[pool.submit(lowered.compile)] = (key, exe)
+        for fut in as_completed(loops):
+            key, exe = loops[fut]
+            out[key] = (exe, fut.result())
+            print(f"[compile ahead] {key[1]} approx {key[0].describe()}: ready at {time.perf_counter() - t0:.0f}s",
+                  flush=True)
+    print(f"[compile ahead] {len(out)} prefill + loop pairs in {time.perf_counter() - t0:.1f}s "
+          f"({workers} at a time)", flush=True)
+    return out
+
+
+def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, dev, roofline, n_devices=1,
+            approx=None) -> dict:
+    """The result record of one row (one spec method at one forced acceptance, one approx mode set)."""
     import numpy as np
     method, B = dec.spec.method, dec.spec.drafts
     ttft = np.array([r["ttft"] for r in reqs])
@@ -447,7 +531,7 @@ def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, de
             "random:" + (a.config_json or ("tiny" if a.tiny else "ling3-flash"))),
         "layers": cfg.num_hidden_layers, "dtype": a.dtype, "spec": method, "kda_kernel": a.kda_kernel,
         "moe_kernel": a.moe_kernel, "dense_kernel": a.dense_kernel,
-        "approx": a.approx.describe() if a.approx is not None else "none",
+        "approx": approx.describe() if approx is not None else "none",
         "block_size": a.block_size if B else 0, "forced_accept": tau,
         "input_len": a.input_len, "output_len": a.output_len, "num_prompts": a.num_prompts,
         "ttft_ms": ms3(ttft), "tpot_ms": ms3(tpot), "itl_ms": ms3(itl_v, itl_w),
@@ -461,7 +545,7 @@ def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, de
                      "devices": n_devices, "copy_bytes_per_s_per_device": copy_bw / n_devices,
                      "copy_probe_bytes": copy_bytes, "fraction": achieved_bw / copy_bw,
                      "experts_per_layer": rb[0][0].experts_per_layer, "experts": "uniform-routing expectation"},
-        "load_s": load_s, "flags": {k: v for k, v in vars(a).items()},
+        "load_s": load_s, "flags": {k: ([m.describe() for m in v] if k == "approx" else v) for k, v in vars(a).items()},
     }
 
 
@@ -469,7 +553,8 @@ def _print_row(rec) -> None:
     m, B = rec, rec["block_size"]
     print()
     title = f"spec {m['spec']}" + (f", block {B}" if B else "") + (
-        f", forced accept {m['forced_accept']:g}" if m["forced_accept"] is not None else "")
+        f", forced accept {m['forced_accept']:g}" if m["forced_accept"] is not None else "") + (
+        f", approx {m['approx']}" if m["approx"] != "none" else "")
     print(f"== {title} ({m['layers']} layers, {m['dtype']}) ==")
     print(f"{'metric':28s} {'mean':>10s} {'median':>10s} {'p99':>10s}")
     for name, key in (("TTFT (ms)", "ttft_ms"), ("TPOT excl. first (ms)", "tpot_ms"), ("ITL per token (ms)", "itl_ms")):
@@ -496,11 +581,13 @@ def _print_row(rec) -> None:
 
 def _print_summary(records) -> None:
     print("== summary ==")
-    print(f"{'spec':8s} {'tau':>6s} {'accept':>7s} {'ms/step':>8s} {'TPOT ms':>8s} {'tok/s':>8s} {'TTFT ms':>8s} {'roofline':>9s}")
+    print(f"{'spec':8s} {'tau':>6s} {'accept':>7s} {'ms/step':>8s} {'TPOT ms':>8s} {'tok/s':>8s} {'TTFT ms':>8s} "
+          f"{'roofline':>9s}  approx")
     for m in records:
         tau = "-" if m["forced_accept"] is None else f"{m['forced_accept']:g}"
         print(f"{m['spec']:8s} {tau:>6s} {m['accept_length']:7.2f} {m['ms_per_step']:8.3f} {m['tpot_ms']['mean']:8.3f} "
-              f"{m['output_throughput_tok_s']:8.1f} {m['ttft_ms']['mean']:8.1f} {m['roofline']['fraction']*100:8.1f}%")
+              f"{m['output_throughput_tok_s']:8.1f} {m['ttft_ms']['mean']:8.1f} {m['roofline']['fraction']*100:8.1f}%"
+              f"  {m['approx']}")
 
 
 # the model's own kernels (the rest of a step: accept, commit bookkeeping, 'other', launch gaps)

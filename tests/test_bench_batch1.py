@@ -49,6 +49,9 @@ def test_batch1_smoke(tmp_path, capsys, spec, tau, block, dtype):
     (["--spec", "none,eagle"], "expected none, mtp, dspark"),
     (["--spec", "none", "--profile-spec", "none"], "needs --profile"),
     (["--spec", "none", "--profile", "p", "--profile-spec", "dspark"], "only methods given to --spec"),
+    (["--approx", "none", "--approx", "off"], "the same modes twice"),
+    (["--approx", "bf16_kda_state", "--approx", "fp16_all"], "unknown approx mode"),
+    (["--compile-workers", "0"], "--compile-workers must be >= 1"),
 ])
 def test_batch1_bad_flags(capsys, extra, msg):
     with pytest.raises(SystemExit) as e:
@@ -65,6 +68,24 @@ def test_batch1_several_rows_share_one_model(tmp_path, capsys):
     assert [round(r["accept_length"]) for r in rows] == [1, 1, 3]
     assert len(list(tmp_path.glob("batch1-*.json"))) == 3
     assert "== summary ==" in capsys.readouterr().out
+
+
+def test_batch1_approx_row_sets_compiled_ahead(tmp_path, capsys):
+    """Two --approx row sets x two methods on one model, their programs compiled ahead in 2 threads."""
+    rec = batch1.main(BASE + ["--spec", "none,dspark", "--block-size", "4", "--forced-accept", "3",
+                              "--approx", "none", "--approx", "bf16_kda_state,expert_keep=0.5",
+                              "--compile-workers", "2", "--num-prompts", "1", "--out", str(tmp_path)])
+    rows = rec["rows"]
+    assert [(r["approx"], r["spec"]) for r in rows] == [
+        ("none", "none"), ("none", "dspark"),
+        ("expert_keep=0.5,bf16_kda_state", "none"), ("expert_keep=0.5,bf16_kda_state", "dspark")]
+    assert [round(r["accept_length"]) for r in rows] == [1, 3, 1, 3]
+    names = sorted(p.name.split("-2026")[0].split("-20")[0] for p in tmp_path.glob("batch1-*.json"))
+    assert len(names) == 4 and sum("approx-expert_keep=0.5-bf16_kda_state" in n for n in names) == 2
+    out = capsys.readouterr().out
+    assert "[compile ahead] 4 prefill + loop pairs" in out and "(compile)" not in out
+    saved = json.loads(open(rows[2]["result_path"]).read())
+    assert saved["flags"]["approx"] == ["none", "expert_keep=0.5,bf16_kda_state"]
 
 
 def test_batch1_profile_breakdown(tmp_path, capsys):
