@@ -249,7 +249,7 @@ def main(argv=None) -> dict:
     from flax import nnx
 
     from bench import roofline
-    from bench.common import block, save_result
+    from bench.common import block, compile_ahead, save_result
     from lingjax.config import ConfigError, LingConfig, preset
     from lingjax.model.ling import LingModel
     from lingjax.sampling import SamplingArrays, SamplingParams
@@ -419,9 +419,10 @@ def main(argv=None) -> dict:
 
     compiled = {}
     if a.compile_workers > 1:
-        compiled = compile_ahead(decoders, lambda dec, method: request_inputs(dec, pattern_of(taus_of(method)[0]),
-                                                                              a.output_len),
-                                 samp, a.output_len, a.compile_workers)
+        compiled = compile_ahead(decoders, lambda key, dec: request_inputs(dec, pattern_of(taus_of(key[1])[0]),
+                                                                           a.output_len),
+                                 samp, a.output_len, a.compile_workers,
+                                 name=lambda key: f"{key[1]} approx {key[0].describe()}")
     records = []
     for (modes, method), dec in decoders.items():
         taus = taus_of(method)
@@ -452,43 +453,6 @@ def main(argv=None) -> dict:
     if len(records) > 1:
         _print_summary(records)
     return records[0] if len(records) == 1 else {"rows": records}
-
-
-def compile_ahead(decoders: dict, inputs, samp, output_len: int, workers: int) -> dict:
-    """AOT-compile every decoder's prefill and generation loop, `workers` XLA compilations at a time.
-
-    decoders: {(modes, method): Decoder}; inputs(dec, method) -> (prompt, override, key, step_cost)
-    like a timed request's. Tracing and lowering run in this thread (they hold the GIL); XLA's
-    compile releases it, so the compilations overlap in the pool. A loop is lowered as soon as its
-    prefill is compiled (its input is the prefill's output, shardings included).
-    Returns {(modes, method): (prefill, loop)} executables for requests of `output_len` tokens."""
-    import jax
-    import jax.numpy as jnp
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
-    t0 = time.perf_counter()
-    out, args = {}, {}
-    with ThreadPoolExecutor(workers) as pool:
-        prefills = {}
-        for key, dec in decoders.items():
-            prompt, override, rkey, step_cost = args[key] = inputs(dec, key[1])
-            lowered = dec.prefill.lower(dec.params, prompt, output_len, jnp.int32(output_len), rkey, samp, step_cost)
-            prefills[pool.submit(lowered.compile)] = key
-        loops = {}
-        for fut in as_completed(prefills):
-            key = prefills[fut]
-            exe, dec, override = fut.result(), decoders[key], args[key][1]
-            state = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding), exe.out_info)
-            lowered = dec.run.lower(dec.params, state, samp, override, output_len + 1)
-            loops[pool.submit(lowered.compile)] = (key, exe)
-        for fut in as_completed(loops):
-            key, exe = loops[fut]
-            out[key] = (exe, fut.result())
-            print(f"[compile ahead] {key[1]} approx {key[0].describe()}: ready at {time.perf_counter() - t0:.0f}s",
-                  flush=True)
-    print(f"[compile ahead] {len(out)} prefill + loop pairs in {time.perf_counter() - t0:.1f}s "
-          f"({workers} at a time)", flush=True)
-    return out
 
 
 def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, dev, roofline, n_devices=1,

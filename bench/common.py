@@ -200,3 +200,50 @@ def kernel_interpret(ap, a, what: str):
                  "--interpret for a CPU smoke run at small shapes")
     return plgpu.InterpretGPUParams() if a.interpret else False
 
+
+def compile_ahead(decoders: dict, inputs, samp, output_len: int, workers: int, name=str) -> dict:
+    """AOT-compile every decoder's prefill and generation loop, `workers` XLA compilations at a time.
+
+    decoders: {key: lingjax.spec_decode.Decoder}; inputs(key, dec) -> (prompt [1, T], draft override
+    or None, PRNG key, step_cost) like the requests' (shapes matter, not values); name(key): its
+    label in the progress lines. Tracing and lowering run in this thread (they hold the GIL); XLA's
+    compile releases it, so the compilations overlap in the pool. On one device a loop is lowered
+    from its prefill's output shapes and compiled alongside it; on several, once its prefill is
+    compiled (the loop's input shardings are the prefill's output shardings).
+    Returns {key: (prefill, loop)} executables for requests of `output_len` tokens: call them as
+    prefill(params, prompt, limit, key, samp, step_cost) and loop(params, state, samp, override, max_steps)."""
+    import jax
+    import jax.numpy as jnp
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    t0 = time.perf_counter()
+    out, args = {}, {}
+    one_device = jax.device_count() == 1
+
+    def state_of(info):
+        return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=getattr(o, "sharding", None)),
+                            info)
+    with ThreadPoolExecutor(workers) as pool:
+        prefills, loops = {}, {}
+        for key, dec in decoders.items():
+            prompt, override, rkey, step_cost = args[key] = inputs(key, dec)
+            lowered = dec.prefill.lower(dec.params, prompt, output_len, jnp.int32(output_len), rkey, samp, step_cost)
+            prefill = pool.submit(lowered.compile)
+            if one_device:
+                loop = dec.run.lower(dec.params, state_of(lowered.out_info), samp, override, output_len + 1)
+                loops[pool.submit(loop.compile)] = (key, prefill)
+            else:
+                prefills[prefill] = key
+        for fut in as_completed(prefills):
+            key = prefills[fut]
+            dec, override = decoders[key], args[key][1]
+            lowered = dec.run.lower(dec.params, state_of(fut.result().out_info), samp, override, output_len + 1)
+            loops[pool.submit(lowered.compile)] = (key, fut)
+        for fut in as_completed(loops):
+            key, prefill = loops[fut]
+            out[key] = (prefill.result(), fut.result())
+            print(f"[compile ahead] {name(key)}: ready at {time.perf_counter() - t0:.0f}s",
+                  flush=True)
+    print(f"[compile ahead] {len(out)} prefill + loop pairs in {time.perf_counter() - t0:.1f}s "
+          f"({workers} at a time)", flush=True)
+    return out

@@ -156,7 +156,8 @@ def test_roofline_flash_numbers():
 
 
 def test_mesh_random_weights_created_in_shards(tmp_path):
-    """--mesh on 2 forced CPU devices: weights built shard by shard, the run completes."""
+    """--mesh on 2 forced CPU devices: weights built shard by shard, programs compiled ahead (each loop
+    after its prefill: the loop's input shardings), the run completes."""
     import os
     import subprocess
     import sys
@@ -166,7 +167,8 @@ def test_mesh_random_weights_created_in_shards(tmp_path):
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     r = subprocess.run([sys.executable, "-m", "bench.batch1", "--tiny", "--input-len", "32", "--output-len", "8",
                         "--num-prompts", "1", "--spec", "dspark", "--forced-accept", "3", "--mesh", "tp=2",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=root, env=env)
+                        "--compile-workers", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=root, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     rec = json.loads(r.stdout.strip().splitlines()[-1])
     assert rec["env"]["n_devices"] == 2 and abs(rec["accept_length"] - 3.0) <= 0.5
+    assert "[compile ahead] 1 prefill + loop pairs" in r.stdout

@@ -1,0 +1,248 @@
+"""Kernel parity on a depth-reduced, full-width model: the Pallas paths against the XLA path.
+
+    python -m bench.kernel_parity --layers 6 --dtype bf16 --spec none,dspark
+    python -m bench.kernel_parity --tiny --interpret --layers 2 --output-len 8     # CPU smoke
+
+Random weights at Ling-3.0-flash widths (the first --layers layers; layer 5 is the first MLA
+layer), built once. Its programs are traced twice: every kernel switch 'xla', then the switches in
+--kernels 'pallas'. Reported (one JSON record):
+  - logits of one prefill forward over the prompt (T = --input-len: the prefill kernel), then a
+    9-token verify block and a 1-token decode on that cache (the decode kernels at M = 9 and 1):
+    relative error kernels vs XLA (whole and median position: a near-tie in a random router sends
+    a position to other experts on either path, a large error at that position only) and top-1
+    agreement;
+  - the greedy output of each --spec method (DSpark / MTP with random drafters: natural
+    acceptance), kernels vs XLA: identical, or the first differing position with the XLA path's
+    logit margin there between its token and the kernels' token, in units of the logits' standard
+    deviation (a near-tie that bf16 rounding flips is small against 1);
+  - under the kernels, each speculative method's tokens against plain greedy decoding's.
+Exit status 1 when kernel and XLA tokens differ at a margin above --max-tie-margin or a
+speculative method differs from plain greedy, so a device script can stop on it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from lingjax import xla_env
+
+SWITCH_NAMES = ("kda", "moe", "dense")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.kernel_parity", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=6, help="depth of the reduced model (default 6: 5 KDA + 1 MLA)")
+    ap.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="weights: bf16, or fp8 = block-fp8 weights with bf16 activations")
+    ap.add_argument("--kernels", default="kda,moe,dense",
+                    help="comma list of the switches set to 'pallas' in the kernel build: kda, moe, dense")
+    ap.add_argument("--spec", default="none,dspark", help="comma list of none, mtp, dspark (greedy output compared)")
+    ap.add_argument("--block-size", type=int, default=8, help="drafts per speculative step")
+    ap.add_argument("--input-len", type=int, default=512, help="prompt tokens (random ids)")
+    ap.add_argument("--output-len", type=int, default=128, help="greedy tokens generated per method")
+    ap.add_argument("--max-tie-margin", type=float, default=0.05,
+                    help="kernel-vs-XLA token differences count as failures unless the XLA path's margin "
+                         "there is at most this many logit standard deviations (default 0.05)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile-workers", type=int, default=8, metavar="N",
+                    help="XLA compilations at a time (threads; every program of both builds is compiled ahead)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the tiny test config (expert width 128) instead of Ling-3.0-flash widths")
+    ap.add_argument("--interpret", action="store_true",
+                    help="run the kernels in Mosaic GPU interpret mode (CPU); default: compiled (H200)")
+    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    return ap
+
+
+def _kernel_list(ap, text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [n for n in names if n not in SWITCH_NAMES]
+    if not names or bad or len(set(names)) != len(names):
+        ap.error(f"--kernels {text!r}: expected a comma list of distinct {', '.join(SWITCH_NAMES)}")
+    return names
+
+
+def _spec_list(ap, text: str) -> tuple[str, ...]:
+    specs = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [s for s in specs if s not in ("none", "mtp", "dspark")]
+    if not specs or bad or len(set(specs)) != len(specs):
+        ap.error(f"--spec {text!r}: expected a comma list of distinct none, mtp, dspark")
+    if "none" not in specs:
+        specs = ("none",) + specs        # the plain greedy reference of the speculative methods
+    return specs
+
+
+def main(argv=None) -> dict:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    kernels = _kernel_list(ap, a.kernels)
+    specs = _spec_list(ap, a.spec)
+    if a.layers < 1 or a.input_len < 1 or a.output_len < 2 or a.block_size < 1 or a.compile_workers < 1:
+        ap.error("--layers >= 1, --input-len >= 1, --output-len >= 2, --block-size >= 1 and "
+                 "--compile-workers >= 1 are required")
+    xla_env.configure()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from bench.batch1 import TINY_CONFIG, draft_config_for
+    from bench.common import block, compile_ahead, save_result
+    from lingjax import sharding
+    from lingjax.config import LingConfig, preset
+    from lingjax.model.dense import set_dense_kernel
+    from lingjax.model.kda import set_kda_kernel
+    from lingjax.model.kernels import pallas_interpret
+    from lingjax.model.ling import LingModel
+    from lingjax.model.mlp import set_moe_kernel
+    from lingjax.quant import quantize_model
+    from lingjax.sampling import SamplingArrays, SamplingParams
+    from lingjax.spec_decode import Decoder, SpecConfig
+
+    if a.tiny:   # the MoE kernel's tiles need expert widths that are multiples of 128 (tiny: 32)
+        cfg = LingConfig.from_json(TINY_CONFIG).replace(moe_intermediate_size=128, num_hidden_layers=a.layers)
+    else:
+        cfg = preset("ling3-flash").replace(num_hidden_layers=a.layers)
+    need = a.input_len + 9 + 1
+    if max(need, a.input_len + a.output_len + a.block_size + 2) > cfg.max_position_embeddings:
+        ap.error(f"--input-len {a.input_len} + --output-len {a.output_len} exceed the context "
+                 f"({cfg.max_position_embeddings})")
+    mode = pallas_interpret if a.interpret else contextlib.nullcontext
+    fp8 = a.dtype == "fp8"
+    t0 = time.perf_counter()
+    mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
+
+    def build_target():
+        m = LingModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), with_mtp="mtp" in specs)
+        return quantize_model(m) if fp8 else m
+    target = sharding.random_init_sharded(build_target, mesh, seed=a.seed)
+    draft = None
+    if "dspark" in specs:
+        from lingjax.model.dspark import DSparkDraft
+        dcfg = draft_config_for(cfg, a.block_size)
+        draft = sharding.random_init_sharded(lambda: DSparkDraft(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1)),
+                                             mesh, seed=a.seed + 1)
+    block(nnx.state(target))
+    print(f"model ready in {time.perf_counter() - t0:.1f}s: {a.layers} layers at "
+          f"{'tiny' if a.tiny else 'Ling-3.0-flash'} widths, {a.dtype}", flush=True)
+
+    rng = np.random.default_rng(a.seed)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, a.input_len)), jnp.int32)
+    block_toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 9)), jnp.int32)
+    samp = SamplingArrays.from_params(SamplingParams())
+
+    def set_switches(value: str):
+        set_kda_kernel(target, value if "kda" in kernels else "xla")
+        set_moe_kernel(target, value if "moe" in kernels else "xla")
+        set_dense_kernel(target, value if "dense" in kernels else "xla")
+
+    def lower_forwards():
+        """The lowered forwards of the model as it is switched now: prefill over the prompt, then a
+        9-token verify and a 1-token decode on its cache -> logits ([T, V], [9, V], [1, V])."""
+        graph, params = nnx.split(target)
+
+        @jax.jit
+        def run(params, prompt, block_toks):
+            model = nnx.merge(graph, params)
+            cache = model.init_cache(1, a.input_len + 16)
+            pre = model(prompt, cache)
+            ver = model(block_toks, pre.cache, pending=True)
+            dec = model(block_toks[:, :1], pre.cache)
+            return pre.logits[0], ver.logits[0], dec.logits[0]
+        return run.lower(params, prompt, block_toks), params
+
+    # Both builds' programs are traced here (each Decoder / forward splits the model as switched
+    # then) and compiled together, --compile-workers at a time.
+    t = time.perf_counter()
+    decoders, fwd = {}, {}
+    with mode(), ThreadPoolExecutor(a.compile_workers) as pool:
+        for build in ("xla", "pallas"):
+            set_switches(build)
+            lowered, params = lower_forwards()
+            fwd[build] = (pool.submit(lowered.compile), params)
+            for m in specs:
+                decoders[(build, m)] = Decoder(target, SpecConfig(m, a.block_size),
+                                               draft=draft if m == "dspark" else None)
+        set_switches("xla")
+        exes = compile_ahead(decoders, lambda key, dec: (prompt, None, jax.random.key(0),
+                                                         jnp.ones((len(dec.spec.widths),), jnp.float32)),
+                             samp, a.output_len, a.compile_workers, name=lambda key: f"{key[0]} {key[1]}")
+        fwd = {b: (f.result(), p) for b, (f, p) in fwd.items()}
+    print(f"compiled in {time.perf_counter() - t:.1f}s", flush=True)
+
+    def generate(key) -> list[int]:
+        dec, (prefill, loop) = decoders[key], exes[key]
+        step_cost = jnp.ones((len(dec.spec.widths),), jnp.float32)
+        st = prefill(dec.params, prompt, jnp.int32(a.output_len), jax.random.key(0), samp, step_cost)
+        st = loop(dec.params, st, samp, None, a.output_len + 1)
+        out, n = jax.device_get((st.out, st.n_out))
+        return [int(t) for t in out[:int(n)]]
+
+    results = {}
+    for build in ("xla", "pallas"):
+        exe, params = fwd[build]
+        logits = [np.asarray(x, np.float32) for x in jax.device_get(exe(params, prompt, block_toks))]
+        results[build] = (logits, {m: generate((build, m)) for m in specs})
+
+    def margin_at(context: list[int], want: int, got: int) -> float:
+        """XLA path's logit(want) - logit(got) after prompt + context, in logit standard deviations."""
+        graph, params = nnx.split(target)
+        toks = jnp.concatenate([prompt, jnp.asarray([context], jnp.int32)], axis=1)
+
+        @jax.jit
+        def last(params, toks):
+            model = nnx.merge(graph, params)
+            return model(toks, model.init_cache(1, toks.shape[1]), logits="last").logits[0, -1]
+        lg = np.asarray(jax.device_get(last(params, toks)), np.float64)
+        return float((lg[want] - lg[got]) / lg.std())
+
+    (lx, tx), (lp, tp) = results["xla"], results["pallas"]
+    rec = {"bench": "kernel_parity", "model": "random:" + ("tiny" if a.tiny else "ling3-flash"),
+           "layers": a.layers, "dtype": a.dtype, "kernels": list(kernels), "input_len": a.input_len,
+           "output_len": a.output_len, "block_size": a.block_size, "interpret": a.interpret, "forward": {},
+           "greedy": {}, "flags": vars(a)}
+    for name, x, p in zip(("prefill", "verify9", "decode1"), lx, lp):
+        per_pos = np.linalg.norm(p - x, axis=-1) / np.linalg.norm(x, axis=-1)
+        rec["forward"][name] = {"rel_error": float(np.linalg.norm(p - x) / np.linalg.norm(x)),
+                                "median_position_rel_error": float(np.median(per_pos)),
+                                "top1_agreement": float(np.mean(p.argmax(-1) == x.argmax(-1))),
+                                "positions": int(x.shape[0])}
+    failed = []
+    for m in specs:
+        a_x, a_p = tx[m], tp[m]
+        diff = next((i for i, (u, v) in enumerate(zip(a_x, a_p)) if u != v), None)
+        row = {"tokens": len(a_x), "identical": a_x == a_p, "first_difference": diff}
+        if diff is not None:
+            row["xla_margin_sd"] = margin_at(a_x[:diff], a_x[diff], a_p[diff])
+            if row["xla_margin_sd"] > a.max_tie_margin:
+                failed.append(f"{m}: kernels differ from XLA at token {diff} with margin {row['xla_margin_sd']:.3f} sd")
+        if m != "none":
+            row["equals_plain_under_kernels"] = a_p == tp["none"]
+            row["equals_plain_under_xla"] = a_x == tx["none"]
+            if not (row["equals_plain_under_kernels"] and row["equals_plain_under_xla"]):
+                failed.append(f"{m}: speculative greedy output differs from plain greedy")
+        rec["greedy"][m] = row
+    rec["failures"] = failed
+    print(f"\n== kernel parity: {a.layers} layers, {a.dtype}, kernels {','.join(kernels)} ==")
+    for name, r in rec["forward"].items():
+        print(f"{name:10s} logits rel. error {r['rel_error']:.2e} (median position {r['median_position_rel_error']:.2e}), "
+              f"top-1 agreement {r['top1_agreement']:.3f} ({r['positions']} positions)")
+    for m, r in rec["greedy"].items():
+        extra = "" if m == "none" else (f"; = plain greedy: kernels {r['equals_plain_under_kernels']}, "
+                                        f"XLA {r['equals_plain_under_xla']}")
+        first = ("identical" if r["identical"] else
+                 f"first difference at {r['first_difference']} (XLA margin {r['xla_margin_sd']:.3f} sd)")
+        print(f"greedy {m:7s} {r['tokens']} tokens: kernels vs XLA {first}{extra}")
+    rec["result_path"] = str(save_result("kernel_parity", rec, a.out))
+    if failed:
+        print("FAILED: " + "; ".join(failed), file=sys.stderr)
+        raise SystemExit(1)
+    return rec
+
+
+if __name__ == "__main__":
+    main()
