@@ -155,6 +155,17 @@ def main(argv=None) -> dict:
             return pre.logits[0], ver.logits[0], dec.logits[0]
         return run.lower(params, prompt, block_toks), params
 
+    def lower_sequence_logits():
+        """The lowered XLA forward over prompt + output_len generated tokens -> logits [T + n, V]
+        (row input_len - 1 + i: the next-token logits after prompt + tokens[:i])."""
+        graph, params = nnx.split(target)
+
+        @jax.jit
+        def logits_all(params, toks):
+            model = nnx.merge(graph, params)
+            return model(toks, model.init_cache(1, toks.shape[1])).logits[0]
+        return logits_all.lower(params, jnp.zeros((1, a.input_len + a.output_len), jnp.int32)), params
+
     # Both builds' programs are traced here (each Decoder / forward splits the model as switched
     # then) and compiled together, --compile-workers at a time.
     t = time.perf_counter()
@@ -164,6 +175,9 @@ def main(argv=None) -> dict:
             set_switches(build)
             lowered, params = lower_forwards()
             fwd[build] = (pool.submit(lowered.compile), params)
+            if build == "xla":
+                lowered, params = lower_sequence_logits()
+                fwd["sequence"] = (pool.submit(lowered.compile), params)
             for m in specs:
                 decoders[(build, m)] = Decoder(target, SpecConfig(m, a.block_size),
                                                draft=draft if m == "dspark" else None)
@@ -188,16 +202,17 @@ def main(argv=None) -> dict:
         logits = [np.asarray(x, np.float32) for x in jax.device_get(exe(params, prompt, block_toks))]
         results[build] = (logits, {m: generate((build, m)) for m in specs})
 
-    def margin_at(context: list[int], want: int, got: int) -> float:
-        """XLA path's logit(want) - logit(got) after prompt + context, in logit standard deviations."""
-        graph, params = nnx.split(target)
-        toks = jnp.concatenate([prompt, jnp.asarray([context], jnp.int32)], axis=1)
+    def next_token_logits(tokens: list[int]):
+        """XLA path's next-token logits [len(tokens), V] after prompt + tokens[:i], float64."""
+        exe, params = fwd["sequence"]
+        toks = np.zeros((1, a.input_len + a.output_len), np.int32)
+        toks[0, :a.input_len] = np.asarray(prompt)[0]
+        toks[0, a.input_len:a.input_len + len(tokens)] = tokens
+        lg = jax.device_get(exe(params, jnp.asarray(toks)))
+        return np.asarray(lg[a.input_len - 1:a.input_len - 1 + len(tokens)], np.float64)
 
-        @jax.jit
-        def last(params, toks):
-            model = nnx.merge(graph, params)
-            return model(toks, model.init_cache(1, toks.shape[1]), logits="last").logits[0, -1]
-        lg = np.asarray(jax.device_get(last(params, toks)), np.float64)
+    def margin_sd(lg, want: int, got: int) -> float:
+        """logit(want) - logit(got) in units of the logits' standard deviation."""
         return float((lg[want] - lg[got]) / lg.std())
 
     (lx, tx), (lp, tp) = results["xla"], results["pallas"]
@@ -216,8 +231,14 @@ def main(argv=None) -> dict:
         a_x, a_p = tx[m], tp[m]
         diff = next((i for i, (u, v) in enumerate(zip(a_x, a_p)) if u != v), None)
         row = {"tokens": len(a_x), "identical": a_x == a_p, "first_difference": diff}
+        if m == "none" or diff is not None:
+            lg = next_token_logits(a_x)
+        if m == "none":   # how close to ties this random model's greedy choices are
+            top2 = np.sort(np.partition(lg, -2, axis=-1)[:, -2:], axis=-1)
+            row["median_top2_margin_sd"] = float(np.median((top2[:, 1] - top2[:, 0]) / lg.std(axis=-1)))
+            row["xla_tokens_are_argmax"] = bool((lg.argmax(-1) == np.asarray(a_x)).all())
         if diff is not None:
-            row["xla_margin_sd"] = margin_at(a_x[:diff], a_x[diff], a_p[diff])
+            row["xla_margin_sd"] = margin_sd(lg[diff], a_x[diff], a_p[diff])
             if row["xla_margin_sd"] > a.max_tie_margin:
                 failed.append(f"{m}: kernels differ from XLA at token {diff} with margin {row['xla_margin_sd']:.3f} sd")
         if m != "none":
@@ -231,6 +252,9 @@ def main(argv=None) -> dict:
     for name, r in rec["forward"].items():
         print(f"{name:10s} logits rel. error {r['rel_error']:.2e} (median position {r['median_position_rel_error']:.2e}), "
               f"top-1 agreement {r['top1_agreement']:.3f} ({r['positions']} positions)")
+    r = rec["greedy"]["none"]
+    print(f"plain XLA greedy: median top-2 margin {r['median_top2_margin_sd']:.3f} logit sd; its tokens are the "
+          f"sequence forward's argmax: {r['xla_tokens_are_argmax']}")
     for m, r in rec["greedy"].items():
         extra = "" if m == "none" else (f"; = plain greedy: kernels {r['equals_plain_under_kernels']}, "
                                         f"XLA {r['equals_plain_under_xla']}")

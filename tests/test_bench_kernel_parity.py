@@ -11,6 +11,7 @@ def test_kernel_parity_tiny_interpret(tmp_path, capsys):
                               "--block-size", "3", "--spec", "mtp", "--out", str(tmp_path)])
     assert rec["failures"] == [] and set(rec["greedy"]) == {"none", "mtp"}       # plain added as reference
     assert rec["greedy"]["mtp"]["equals_plain_under_kernels"] and rec["greedy"]["none"]["tokens"] == 6
+    assert rec["greedy"]["none"]["xla_tokens_are_argmax"] and rec["greedy"]["none"]["median_top2_margin_sd"] > 0
     for name, r in rec["forward"].items():     # the kernels ran (bf16 rounding differs) and stay close
         assert 0 < r["median_position_rel_error"] < 0.05, (name, r)
     saved = json.loads(open(rec["result_path"]).read())
