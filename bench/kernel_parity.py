@@ -16,6 +16,8 @@ layer), built once. Its programs are traced twice: every kernel switch 'xla', th
     logit margin there between its token and the kernels' token, in units of the logits' standard
     deviation (a near-tie that bf16 rounding flips is small against 1);
   - under the kernels, each speculative method's tokens against plain greedy decoding's.
+The routers' expert_bias is spread (--router-bias-sd) so that expert choice is not a coin toss on
+near-ties (with the benchmark's zero bias, XLA alone disagrees with itself between batchings).
 Exit status 1 when kernel and XLA tokens differ at a margin above --max-tie-margin or a
 speculative method differs from plain greedy, so a device script can stop on it.
 """
@@ -47,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tie-margin", type=float, default=0.05,
                     help="kernel-vs-XLA token differences count as failures unless the XLA path's margin "
                          "there is at most this many logit standard deviations (default 0.05)")
+    ap.add_argument("--router-bias-sd", type=float, default=1.0, metavar="SD",
+                    help="expert_bias of every MoE router drawn N(0, SD) (benchmark init: zeros). A random "
+                         "router's top-8 of 512 sits on near-ties that any rounding flips, on either path; "
+                         "a spread bias makes the chosen experts stable while still token-dependent. 0 = zeros")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile-workers", type=int, default=8, metavar="N",
                     help="XLA compilations at a time (threads; every program of both builds is compiled ahead)")
@@ -126,6 +132,15 @@ def main(argv=None) -> dict:
         dcfg = draft_config_for(cfg, a.block_size)
         draft = sharding.random_init_sharded(lambda: DSparkDraft(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1)),
                                              mesh, seed=a.seed + 1)
+    if a.router_bias_sd > 0:
+        from lingjax.model.mlp import MoE
+        bias_key = jax.random.key(a.seed + 2)
+        for _, mod in nnx.iter_modules(target):
+            if isinstance(mod, MoE):
+                bias_key, sub = jax.random.split(bias_key)
+                old = mod.expert_bias.get_value()
+                mod.expert_bias.set_value(jax.device_put(
+                    a.router_bias_sd * jax.random.normal(sub, old.shape, old.dtype), old.sharding))
     block(nnx.state(target))
     print(f"model ready in {time.perf_counter() - t0:.1f}s: {a.layers} layers at "
           f"{'tiny' if a.tiny else 'Ling-3.0-flash'} widths, {a.dtype}", flush=True)
@@ -218,7 +233,8 @@ def main(argv=None) -> dict:
     (lx, tx), (lp, tp) = results["xla"], results["pallas"]
     rec = {"bench": "kernel_parity", "model": "random:" + ("tiny" if a.tiny else "ling3-flash"),
            "layers": a.layers, "dtype": a.dtype, "kernels": list(kernels), "input_len": a.input_len,
-           "output_len": a.output_len, "block_size": a.block_size, "interpret": a.interpret, "forward": {},
+           "output_len": a.output_len, "block_size": a.block_size, "interpret": a.interpret,
+           "router_bias_sd": a.router_bias_sd, "forward": {},
            "greedy": {}, "flags": vars(a)}
     for name, x, p in zip(("prefill", "verify9", "decode1"), lx, lp):
         per_pos = np.linalg.norm(p - x, axis=-1) / np.linalg.norm(x, axis=-1)
