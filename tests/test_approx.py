@@ -58,6 +58,21 @@ def test_keep_top_share_known_rows():
     np.testing.assert_array_equal(new_w, [[0, 0.6, 0.2, 0], [0.25, 0.25, 0.25, 0], [0, 0, 0, 0]])
 
 
+@pytest.mark.parametrize("keep", [0.3, 0.75, 0.9])
+def test_keep_top_share_equals_the_sort_formulation(keep):
+    """Random rows with ties and all-zero rows, f32 and bf16. The weights are multiples of 1/16 so
+    that every partial sum is exact: the two formulations add in different orders, which could
+    otherwise round a slot whose heavier weight sits exactly at keep * total to either side."""
+    rng = np.random.default_rng(int(keep * 100))
+    idx = jnp.asarray(rng.integers(0, 512, (300, 8)), jnp.int32)
+    w = rng.choice([0.0, 0.0625, 0.125, 0.25, 0.5], (300, 8)) * (rng.random((300, 1)) > 0.05)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = moe_ops.keep_top_share(idx, jnp.asarray(w, dtype), keep)
+        want = moe_ops._keep_top_share_sorted(idx, jnp.asarray(w, dtype), keep)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32))
+
+
 def test_route_with_expert_keep_renormalises_and_experts_agree():
     rng = np.random.default_rng(0)
     n, d, e, k, f = 40, 16, 16, 4, 8
@@ -213,7 +228,9 @@ def test_cli_server_and_bench_parse_the_flag():
     assert cli.build_parser().parse_args([]).approx is None
     assert serve_parser().parse_args(["--approx", "fp8_mla_cache"]).approx == "fp8_mla_cache"
     a = batch1.build_parser().parse_args(["--tiny", "--approx", "expert_keep=0.75,bf16_router_head"])
-    assert a.approx == ApproxModes(expert_keep=0.75, bf16_router_head=True)
+    assert a.approx == [ApproxModes(expert_keep=0.75, bf16_router_head=True)]      # one row set per flag
+    a = batch1.build_parser().parse_args(["--tiny", "--approx", "none", "--approx", "fp8_mla_cache"])
+    assert a.approx == [ApproxModes(), ApproxModes(fp8_mla_cache=True)]
     assert batch1.build_parser().parse_args(["--tiny"]).approx is None
     with pytest.raises(SystemExit):
         batch1.build_parser().parse_args(["--tiny", "--approx", "expert_keep=2"])

@@ -80,7 +80,23 @@ def keep_top_share(idx, w, keep: float):
     """Expert skipping: idx / w [N, k] (w >= 0) -> the same shapes with only the heaviest slots
     whose weights, taken in descending order (ties: lower slot first), reach `keep` of the row's
     total kept: a slot stays if the weight heavier than it is < keep * total (so the heaviest one
-    always stays). Dropped slots get weight 0 and the heaviest slot's expert index."""
+    always stays). Dropped slots get weight 0 and the heaviest slot's expert index.
+
+    Sort-free: slot j's 'heavier' weight sums the slots i ordered before it (w_i > w_j, or equal
+    and i < j) over a [N, k, k] comparison, which XLA fuses into its neighbours (two argsorts were
+    separate sort kernels in every layer of a decode step)."""
+    k = w.shape[1]
+    slot = jnp.arange(k)
+    wi, wj = w[:, :, None], w[:, None, :]                               # [N, i, 1], [N, 1, j]
+    before_mask = (wi > wj) | ((wi == wj) & (slot[:, None] < slot[None, :]))
+    before = jnp.sum(jnp.where(before_mask, wi, 0), axis=1)             # [N, j]
+    kept = (before < keep * w.sum(-1, keepdims=True)) | (slot == jnp.argmax(w, axis=1)[:, None])
+    top = jnp.take_along_axis(idx, jnp.argmax(w, axis=1)[:, None], axis=1)
+    return jnp.where(kept, idx, top), jnp.where(kept, w, 0.0).astype(w.dtype)
+
+
+def _keep_top_share_sorted(idx, w, keep: float):
+    """The sort formulation of `keep_top_share` (its test oracle)."""
     order = jnp.argsort(-w, axis=1, stable=True)
     ws = jnp.take_along_axis(w, order, axis=1)
     before = jnp.cumsum(ws, axis=1) - ws
