@@ -18,8 +18,12 @@ layer), built once. Its programs are traced twice: every kernel switch 'xla', th
   - under the kernels, each speculative method's tokens against plain greedy decoding's.
 The routers' expert_bias is spread (--router-bias-sd) so that expert choice is not a coin toss on
 near-ties (with the benchmark's zero bias, XLA alone disagrees with itself between batchings).
-Exit status 1 when kernel and XLA tokens differ at a margin above --max-tie-margin or a
-speculative method differs from plain greedy, so a device script can stop on it.
+Random weights put greedy decoding on near-ties (median top-2 margin ~0.15 logit sd at Ling
+widths), where any change of batching splits two paths, XLA against itself included (its decode
+steps against one forward over the same tokens). So differences are judged by XLA's logit margin
+at them: a tie is within max(--max-tie-margin, the largest margin at which XLA disagrees with
+itself). Exit status 1 when a top-1 difference of the forwards or a first difference of two greedy
+sequences (kernels vs XLA; speculative vs plain under each build) lies beyond that tolerance.
 """
 from __future__ import annotations
 
@@ -47,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--input-len", type=int, default=512, help="prompt tokens (random ids)")
     ap.add_argument("--output-len", type=int, default=128, help="greedy tokens generated per method")
     ap.add_argument("--max-tie-margin", type=float, default=0.05,
-                    help="kernel-vs-XLA token differences count as failures unless the XLA path's margin "
-                         "there is at most this many logit standard deviations (default 0.05)")
+                    help="smallest tie tolerance in logit standard deviations (default 0.05); raised to the "
+                         "largest margin at which XLA's greedy decoding disagrees with its own one-forward argmax")
     ap.add_argument("--router-bias-sd", type=float, default=1.0, metavar="SD",
                     help="expert_bias of every MoE router drawn N(0, SD) (benchmark init: zeros). A random "
                          "router's top-8 of 512 sits on near-ties that any rounding flips, on either path; "
@@ -242,41 +246,58 @@ def main(argv=None) -> dict:
                                 "median_position_rel_error": float(np.median(per_pos)),
                                 "top1_agreement": float(np.mean(p.argmax(-1) == x.argmax(-1))),
                                 "positions": int(x.shape[0])}
+    # XLA's own batching noise: its greedy tokens (decode steps of one token) against the argmax of
+    # one forward over the same sequence; where they differ, by how much (logit sd units)
+    lg_none = next_token_logits(tx["none"])
+    top2 = np.sort(np.partition(lg_none, -2, axis=-1)[:, -2:], axis=-1)
+    sd = lg_none.std(axis=-1)
+    self_split = [float((lg_none[i].max() - lg_none[i][t]) / sd[i]) for i, t in enumerate(tx["none"])
+                  if lg_none[i].argmax() != t]
+    tol = max([a.max_tie_margin] + self_split)
+    rec["xla_self"] = {"median_top2_margin_sd": float(np.median((top2[:, 1] - top2[:, 0]) / sd)),
+                       "greedy_vs_sequence_argmax_differences": len(self_split),
+                       "max_margin_sd_of_those": max(self_split, default=0.0), "tie_tolerance_sd": tol}
     failed = []
+    for name, x, p in zip(("prefill", "verify9", "decode1"), lx, lp):
+        bad = np.nonzero(p.argmax(-1) != x.argmax(-1))[0]
+        worst = max((margin_sd(x[i], int(x[i].argmax()), int(p[i].argmax())) for i in bad), default=0.0)
+        rec["forward"][name]["worst_disagreement_margin_sd"] = worst
+        if worst > tol:
+            failed.append(f"{name}: kernel top-1 differs from XLA's where XLA's margin is {worst:.3f} sd (> {tol:.3f})")
+
+    def split(a_seq, b_seq, what):
+        """First difference of two greedy sequences and XLA's margin there (a's token - b's)."""
+        d = next((i for i, (u, v) in enumerate(zip(a_seq, b_seq)) if u != v), None)
+        if d is None:
+            return {"identical": True, "first_difference": None}
+        m = margin_sd(next_token_logits(a_seq[:d + 1])[d], a_seq[d], b_seq[d])
+        if abs(m) > tol:
+            failed.append(f"{what}: first difference at token {d} where XLA's margin is {m:.3f} sd (> {tol:.3f})")
+        return {"identical": False, "first_difference": d, "xla_margin_sd": m}
+
     for m in specs:
-        a_x, a_p = tx[m], tp[m]
-        diff = next((i for i, (u, v) in enumerate(zip(a_x, a_p)) if u != v), None)
-        row = {"tokens": len(a_x), "identical": a_x == a_p, "first_difference": diff}
-        if m == "none" or diff is not None:
-            lg = next_token_logits(a_x)
-        if m == "none":   # how close to ties this random model's greedy choices are
-            top2 = np.sort(np.partition(lg, -2, axis=-1)[:, -2:], axis=-1)
-            row["median_top2_margin_sd"] = float(np.median((top2[:, 1] - top2[:, 0]) / lg.std(axis=-1)))
-            row["xla_tokens_are_argmax"] = bool((lg.argmax(-1) == np.asarray(a_x)).all())
-        if diff is not None:
-            row["xla_margin_sd"] = margin_sd(lg[diff], a_x[diff], a_p[diff])
-            if row["xla_margin_sd"] > a.max_tie_margin:
-                failed.append(f"{m}: kernels differ from XLA at token {diff} with margin {row['xla_margin_sd']:.3f} sd")
+        row = {"tokens": len(tx[m]), "kernels_vs_xla": split(tx[m], tp[m], f"{m}: kernels vs XLA")}
         if m != "none":
-            row["equals_plain_under_kernels"] = a_p == tp["none"]
-            row["equals_plain_under_xla"] = a_x == tx["none"]
-            if not (row["equals_plain_under_kernels"] and row["equals_plain_under_xla"]):
-                failed.append(f"{m}: speculative greedy output differs from plain greedy")
+            row["vs_plain_under_xla"] = split(tx["none"], tx[m], f"{m} vs plain, XLA")
+            row["vs_plain_under_kernels"] = split(tp["none"], tp[m], f"{m} vs plain, kernels")
         rec["greedy"][m] = row
     rec["failures"] = failed
     print(f"\n== kernel parity: {a.layers} layers, {a.dtype}, kernels {','.join(kernels)} ==")
     for name, r in rec["forward"].items():
         print(f"{name:10s} logits rel. error {r['rel_error']:.2e} (median position {r['median_position_rel_error']:.2e}), "
-              f"top-1 agreement {r['top1_agreement']:.3f} ({r['positions']} positions)")
-    r = rec["greedy"]["none"]
-    print(f"plain XLA greedy: median top-2 margin {r['median_top2_margin_sd']:.3f} logit sd; its tokens are the "
-          f"sequence forward's argmax: {r['xla_tokens_are_argmax']}")
+              f"top-1 agreement {r['top1_agreement']:.3f} ({r['positions']} positions; worst XLA margin where "
+              f"they differ {r['worst_disagreement_margin_sd']:.3f} sd)")
+    r = rec["xla_self"]
+    print(f"XLA alone: median top-2 margin {r['median_top2_margin_sd']:.3f} logit sd; greedy vs one-forward argmax "
+          f"differ at {r['greedy_vs_sequence_argmax_differences']} of {len(tx['none'])} tokens (max margin "
+          f"{r['max_margin_sd_of_those']:.3f} sd) -> tie tolerance {tol:.3f} sd")
+
+    def fmt(s):
+        return "identical" if s["identical"] else f"split at {s['first_difference']} (XLA margin {s['xla_margin_sd']:.3f} sd)"
     for m, r in rec["greedy"].items():
-        extra = "" if m == "none" else (f"; = plain greedy: kernels {r['equals_plain_under_kernels']}, "
-                                        f"XLA {r['equals_plain_under_xla']}")
-        first = ("identical" if r["identical"] else
-                 f"first difference at {r['first_difference']} (XLA margin {r['xla_margin_sd']:.3f} sd)")
-        print(f"greedy {m:7s} {r['tokens']} tokens: kernels vs XLA {first}{extra}")
+        extra = "" if m == "none" else (f"; vs plain: XLA {fmt(r['vs_plain_under_xla'])}, "
+                                        f"kernels {fmt(r['vs_plain_under_kernels'])}")
+        print(f"greedy {m:7s} {r['tokens']} tokens: kernels vs XLA {fmt(r['kernels_vs_xla'])}{extra}")
     rec["result_path"] = str(save_result("kernel_parity", rec, a.out))
     if failed:
         print("FAILED: " + "; ".join(failed), file=sys.stderr)
