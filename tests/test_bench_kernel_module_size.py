@@ -1,0 +1,32 @@
+"""bench/kernel_module_size.py on the tiny config: Mosaic GPU calls counted from a CUDA cross-lowering."""
+import pytest
+
+from bench import kernel_module_size
+
+
+def test_counts_calls_kernels_and_module_text(tmp_path, capsys):
+    rec = kernel_module_size.main(["--tiny", "--layers", "4", "--tokens", "1,9,200", "--out", str(tmp_path)])
+    by_t = {r["tokens"]: r for r in rec["rows"]}
+    # 3 KDA layers + 1 MLA layer; 2 MoE layers (first_k_dense_replace = 2)
+    assert by_t[200]["calls"] == 2 * 3 + 1          # prefill: the KDA prefill kernel's two stages + lm_head
+    assert by_t[1]["calls"] == by_t[9]["calls"] > by_t[200]["calls"]
+    for r in rec["rows"]:
+        assert 0 < r["distinct_kernels"] < r["calls"]                   # layers share kernels by hash
+        assert 0 < r["module_text_bytes"] <= r["program_text_bytes"]
+    assert by_t[200]["largest_kernels"][0]["calls"] == 3                # the prefill kernel, once per KDA layer
+    assert "distinct kernels" in capsys.readouterr().out
+
+
+def test_call_sizes_parses_hashes():
+    text = ('%a = custom_call @mosaic_gpu_v2 {backend_config = {kernel_hash = "ab\\"c", module = "xyz"}}\n'
+            'other line\n'
+            '%b = custom_call @mosaic_gpu_v2 {backend_config = {kernel_hash = "ab\\"c", module = "xyz"}}\n')
+    sizes = kernel_module_size.call_sizes(text)
+    assert len(sizes) == 2 and sizes[0][0] == sizes[1][0] == b'ab\\"c'
+
+
+@pytest.mark.parametrize("argv", [["--tokens", "0"], ["--tokens", "a,b"], ["--layers", "0"]])
+def test_bad_flags(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        kernel_module_size.main(["--tiny"] + argv)
+    assert e.value.code == 2
