@@ -12,8 +12,8 @@ sets with approximate modes on the same weights (`--approx none --approx expert_
 
 Random-token prompts of --input-len, --output-len greedy tokens each, --num-prompts requests one
 after the other after one excluded warm-up request (32 tokens, same programs). Each request is:
-prefill (jitted, blocked on: TTFT), then the whole generation as ONE on-device loop (`Decoder.run` with max_steps large enough,
-blocked on: decode time). TPOT = decode time / (output tokens - 1). The loop never returns to the
+prefill (jitted, blocked on: TTFT), then the whole generation as ONE on-device loop (`Decoder.run`
+with max_steps large enough, blocked on: decode time). TPOT = decode time / (output tokens - 1). The loop never returns to the
 host between steps, so per-step times are not observed: ITL uses the request's mean step time
 split over each step's committed tokens (see `itl_*` in the record).
 

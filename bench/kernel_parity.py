@@ -1,7 +1,7 @@
 """Kernel parity on a depth-reduced, full-width model: the Pallas paths against the XLA path.
 
     python -m bench.kernel_parity --layers 6 --dtype bf16 --spec none,dspark
-    python -m bench.kernel_parity --tiny --interpret --layers 2 --output-len 8     # CPU smoke
+    python -m bench.kernel_parity --tiny --interpret --layers 4 --output-len 8     # CPU smoke
 
 Random weights at Ling-3.0-flash widths (the first --layers layers; layer 5 is the first MLA
 layer), built once. Its programs are traced twice: every kernel switch 'xla', then the switches in
