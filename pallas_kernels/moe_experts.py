@@ -60,6 +60,10 @@ detection against ``experts_gather`` (unselected experts and experts chosen only
 poisoned with NaN) and cross-lowering for CUDA at the Ling shape. Tile sizes and
 pipeline depth are first guesses (bf16 could take longer K chunks); per chunk the
 dequantisation, the WGMMA and its wait run back to back (only the TMA loads are pipelined).
+At M = 1 kernel 1's grid (8 experts x 12 column tiles = 96 programs) is under one wave on the
+H200's 132 SMs, so skipped (zero-weight) experts free SMs without shortening the call: expert
+skipping saved nothing end to end (session 5, 6 layers). Programs that each stream several
+experts would turn skipped experts into time.
 Expert ids must lie in [0, E) (not checked: traced).
 """
 
