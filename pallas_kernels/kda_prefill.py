@@ -71,8 +71,8 @@ vs float64), at 2.3-3.0 ms per warm call for T=8192 (target 0.55 ms; kernel 1: 2
 148-byte spills). Used by the model for bf16 prefill under ``kda_kernel="pallas"``; in the model on
 the H200 (session 5) the switch tests pass and a 6-layer fp8 model's 1024-token TTFT fell from 116
 to 93 ms. Each call site carries the serialized module (kernel 1: 1.91 MB of HLO text at K = V =
-128, bench/kernel_module_size.py), and a full-depth prefill program with 35 of them compiled for
-over 6 minutes on the H200. Checked on CPU (jax 0.12.0.1 and
+128, bench/kernel_module_size.py), and a full-depth prefill program with 35 of them took 5 min
+47 s to compile on the H200. Checked on CPU (jax 0.12.0.1 and
 0.11.2): interpret mode with race detection vs lingjax.ops.kda and the float64 oracle;
 cross-lowering for CUDA at H=32, K=V=128 (tests/test_pallas_kda_prefill.py). Speed:
 bench/kda_prefill_timing.py. Expected costs: kernel 1 runs ~7 exps per (token, head, channel)
