@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-n", default="", help="comma list of block_n overrides (default: kernel's)")
     ap.add_argument("--split-k", default="", help="comma list of split_k overrides")
     ap.add_argument("--stages", default="", help="comma list of pipeline-depth overrides")
+    ap.add_argument("--fp8-schedule", default="serial",
+                    help="comma list of fp8 schedules: serial (default), pair (two K tiles per step, the "
+                         "second converted under the first's WGMMA); bf16 rows ignore it")
     ap.add_argument("--iters", type=int, default=50, help="timed calls per row (loop: iterations of 8+ calls)")
     ap.add_argument("--copies", type=int, default=None,
                     help="weight copies cycled in the loop (default: enough for 256 MB, at least 1)")
@@ -107,7 +110,7 @@ def run_row(M, K, N, dtype, ws_copies, tiling, a, interpret, copy_bw) -> dict:
     from pallas_kernels.skinny_gemm import (skinny_gemm_config, skinny_gemm_pallas,
                                             skinny_gemm_reference, weight_bytes)
     fp8 = dtype == "fp8"
-    cfg = skinny_gemm_config(M, K, N, fp8, **tiling)
+    cfg = skinny_gemm_config(M, K, N, fp8, **{k: v for k, v in tiling.items() if k != "fp8_schedule"})
     rec = {"M": M, "K": K, "N": N, "dtype": dtype, "tiling": tiling,
            "config": {"block_n": cfg.block_n, "split_k": cfg.split_k, "stages": cfg.stages,
                       "m_pad": cfg.m_pad, "smem_bytes": cfg.smem_bytes},
@@ -141,7 +144,9 @@ def run_row(M, K, N, dtype, ws_copies, tiling, a, interpret, copy_bw) -> dict:
 
 
 def _line(r) -> str:
-    line = (f"{r['dtype']} {r['K']}x{r['N']} M={r['M']} (bn {r['config']['block_n']}, split "
+    line = (f"{r['dtype']} {r['K']}x{r['N']} M={r['M']} ("
+            + (f"{r['tiling']['fp8_schedule']}, " if "fp8_schedule" in r["tiling"] else "")
+            + f"bn {r['config']['block_n']}, split "
             f"{r['config']['split_k']}, stages {r['config']['stages']}): {r['bytes'] / 1e6:.1f} MB, "
             f"floor {r['floor_us']:.1f} us")
     for n in ("kernel", "xla"):
@@ -176,6 +181,10 @@ def main(argv=None) -> dict:
              for k, v in (("block_n", a.block_n), ("split_k", a.split_k), ("stages", a.stages))}
     tilings = [{k: v for k, v in zip(grids, combo) if v is not None}
                for combo in itertools.product(*grids.values())]
+    from pallas_kernels.skinny_gemm import FP8_SCHEDULES
+    schedules = [t.strip() for t in a.fp8_schedule.split(",") if t.strip()]
+    if not schedules or set(schedules) - set(FP8_SCHEDULES) or len(set(schedules)) != len(schedules):
+        ap.error(f"--fp8-schedule must be a comma list of distinct {', '.join(FP8_SCHEDULES)}, got {a.fp8_schedule!r}")
     if not a.no_xla_defaults:
         xla_env.configure()
     import jax
@@ -195,7 +204,8 @@ def main(argv=None) -> dict:
             nbytes = weight_bytes(K, N, jnp.float8_e4m3fn if dtype == "fp8" else jnp.bfloat16)
             copies = [make_weights(K, N, dtype == "fp8", a.seed + j) for j in range(n_copies(nbytes, a.copies))]
             for M in Ms:
-                for tiling in tilings:
+                for tiling in ([dict(t, fp8_schedule=sc) for t in tilings for sc in schedules] if dtype == "fp8"
+                               else tilings):
                     try:
                         rec = run_row(M, K, N, dtype, copies, tiling, a, interpret, copy_bw)
                     except ValueError as e:     # a tiling override that does not fit this shape

@@ -33,6 +33,12 @@ Design
   Net: the float32 product of x_bf16 and the exact dequantised weight, up to float32 summation
   order -- more exact than the model's XLA path, which rounds ``w * scale`` to bf16. One scale
   block per tile: ``block_n`` in {64, 128} for fp8.
+* fp8 ``fp8_schedule='pair'`` (opt-in, not yet run on a GPU): each pipeline step takes two K
+  tiles (two BlockSpecs per operand, even / odd tile); tile a is converted and its WGMMA issued,
+  tile b is converted into a second f16 buffer while that WGMMA runs, then tile b's WGMMA, one
+  wait, and both products are scaled into the carry. Half the steps, each converting one tile
+  under an MMA; the pipeline keeps max(2, stages // 2) steps in flight (one program per SM
+  at bn = 128: two f16 buffers of 32 KiB).
 * Output: a [bn, m_pad] tile per program, TMA'd to ``part [split_k, N, m_pad]`` (float32 when
   split_k > 1 or fp8, else out_dtype); XLA then sums the splits and transposes ``[:, :M]`` to [M, N]
   (``split_k * N * m_pad * 4`` bytes, ~1-5% of the weight bytes at the Ling shapes).
@@ -50,7 +56,9 @@ Status: runs on the H200 (jax 0.11.2): its GPU tests pass at the Ling shapes, M 
 bf16 and fp8 (tests/test_pallas_skinny_gemm.py). In-loop time (bench/skinny_gemm_timing.py,
 docs/PERFORMANCE.md): bf16 lm_head 97% of 4.3 TB/s, bf16 2560 -> 20480 75-80%, o_proj 52-60%;
 fp8 25-69%: the serial per-tile convert -> store -> WGMMA -> wait chain, not memory, sets the
-fp8 time (overlapping the conversion of tile i+1 with the WGMMA of tile i is the next step).
+fp8 time. ``fp8_schedule='pair'`` overlaps half the conversions with a WGMMA (interpret mode with
+race detection and CUDA cross-lowering pass on CPU, jax 0.11.2 and 0.12; not yet compiled or timed
+on the H200, so the model keeps 'serial').
 On CPU (CI): interpret mode with race detection against :func:`skinny_gemm_reference` and
 cross-lowering for CUDA at the Ling shapes. Per tile the (fp8) dequantisation, the WGMMA and its wait run back to back; only the
 TMA loads are pipelined. No persistent / stream-K schedule: wave quantisation is handled only by
@@ -70,7 +78,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import store, swizzled
 
-__all__ = ["MAX_M", "BLOCK", "SkinnyConfig", "skinny_gemm_config", "skinny_gemm_pallas",
+__all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "SkinnyConfig", "skinny_gemm_config", "skinny_gemm_pallas",
            "skinny_gemm_reference", "weight_bytes"]
 
 MAX_M = 16            # tokens per call (decode or a speculative verify block)
@@ -79,6 +87,7 @@ N_SMS = 132           # H200
 MIN_K_TILES = 4       # default split_k keeps at least this many K tiles per program
 SMEM_TARGET = 110 * 1024   # default stages: fit two programs per SM (227 KiB)
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
+FP8_SCHEDULES = ("serial", "pair")
 X_TOP_EXP = 15        # fp8 path: each token row is scaled by a power of two to max|x| in [2**14, 2**15)
 _WG = plgpu.Layout.WGMMA
 
@@ -121,9 +130,9 @@ def skinny_gemm_config(M: int, K: int, N: int, fp8: bool, *, block_n=None, split
     return SkinnyConfig(block_n, split_k, stages, m_pad, _smem_bytes(block_n, stages, m_pad, fp8, nk))
 
 
-def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret):
+def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_schedule="serial"):
     """xp [m_pad, K] bf16 (f16 for fp8 w), w [K, N], s_t [N/128 blocks, K/128 (+pad)] f32 or None
-    -> part [split_k, N, m_pad] part_dtype."""
+    -> part [split_k, N, m_pad] part_dtype. fp8_schedule: 'serial' | 'pair' (module docstring)."""
     K, N = w.shape
     fp8 = s_t is not None
     bn, S, mp = cfg.block_n, cfg.split_k, cfg.m_pad
@@ -191,8 +200,46 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret):
                           plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1))
         store_out(y, part_g, j, s)
 
+    def body_fp8_pair(x_g, w_g, s_g, part_g):
+        """Two K tiles per pipeline step: tile b's conversion runs while tile a's WGMMA does."""
+        j, s = lax.axis_index("n"), lax.axis_index("k")
+        pair_specs = [plgpu.BlockSpec((BLOCK, bn), lambda i, o=o: (2 * i + o, 0), transforms=swizzled(bn, 1))
+                      for o in (0, 1)] + [plgpu.BlockSpec((mp, BLOCK), lambda i, o=o: (0, 2 * i + o), transforms=x_tf)
+                                          for o in (0, 1)]
+
+        def scoped(wb_s, s_s, bar):
+            plgpu.copy_gmem_to_smem(s_g.at[(j * bn) // BLOCK], s_s, bar.at[0])
+
+            def step(idxs, wa_s, wb8_s, xa_s, xb_s, carry):
+                (i,) = idxs
+                wb_s.at[0][...] = plgpu.load(wa_s, layout=_WG).astype(_F16)
+                plgpu.commit_smem()
+
+                def mma(acc_a, acc_b):
+                    plgpu.wgmma(acc_a, wb_s.at[0].T, xa_s.T)             # in flight while ...
+                    wb_s.at[1][...] = plgpu.load(wb8_s, layout=_WG).astype(_F16)   # ... b converts
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_b, wb_s.at[1].T, xb_s.T)
+                    plgpu.wgmma_wait(0)
+                    return acc_a[...], acc_b[...]
+
+                pa, pb = pl.run_scoped(mma, plgpu.ACC((bn, mp), _F32), plgpu.ACC((bn, mp), _F32))
+                pl.when(i == 0)(lambda: plgpu.barrier_wait(bar.at[0]))
+                k0 = s * kps + 2 * i
+                return carry + pa * s_s[k0] + pb * s_s[k0 + 1]
+
+            zero = plgpu.layout_cast(jnp.zeros((bn, mp), _F32), _WG)
+            wsl, xsl = operands(w_g, x_g, j, s)
+            return plgpu.emit_pipeline(step, grid=(kps // 2,), in_specs=pair_specs,
+                                       max_concurrent_steps=max(2, cfg.stages // 2),
+                                       init_carry=zero)(wsl, wsl, xsl, xsl)
+
+        y = pl.run_scoped(scoped, plgpu.SMEM((2, BLOCK, bn), _F16, transforms=w_tf),
+                          plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1))
+        store_out(y, part_g, j, s)
+
     kernel = plgpu.kernel(
-        body_fp8 if fp8 else body_bf16,
+        (body_fp8_pair if fp8_schedule == "pair" else body_fp8) if fp8 else body_bf16,
         out_type=jax.ShapeDtypeStruct((S, N, mp), part_dtype),
         grid=(N // bn, S),
         grid_names=("n", "k"),
@@ -202,12 +249,17 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret):
 
 
 def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=None,
-                       interpret=False, out_dtype=None):
+                       interpret=False, out_dtype=None, fp8_schedule="serial"):
     """y [M, N] = x [M, K] @ w [K, N] (w bf16, or fp8 e4m3 dequantised with `scale`); see the
     module docstring. ``block_n``/``split_k``/``stages``: tiling overrides (None = default, see
     :func:`skinny_gemm_config`). ``interpret``: False (compile for the GPU) or a
     ``plgpu.InterpretGPUParams``. ``out_dtype``: default x.dtype (float32 for lm_head logits).
+    ``fp8_schedule``: 'serial' (default: convert, WGMMA, wait per K tile) or 'pair' (two K tiles
+    per pipeline step, the second converted while the first multiplies; needs an even number of
+    K tiles per program; not yet run on a GPU).
     """
+    if fp8_schedule not in FP8_SCHEDULES:
+        raise ValueError(f"fp8_schedule={fp8_schedule!r} must be one of {FP8_SCHEDULES}")
     if x.ndim != 2 or w.ndim != 2:
         raise ValueError(f"x {x.shape} and w {w.shape} must be 2-D: [M, K] and [K, N] (reshape fused "
                          "weights to [K, N] first)")
@@ -245,6 +297,10 @@ def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=N
         raise ValueError(f"scale {tuple(scale.shape)} must be [K/128, ceil(N/128)] = {(nk, nb)} "
                          "(one float32 per 128 x 128 block of w)")
     cfg = skinny_gemm_config(M, K, N, fp8, block_n=block_n, split_k=split_k, stages=stages)
+    if fp8 and fp8_schedule == "pair" and (nk // cfg.split_k) % 2:
+        raise ValueError(f"fp8_schedule='pair' needs an even number of K tiles per program; K/128={nk} over "
+                         f"split_k={cfg.split_k} gives {nk // cfg.split_k}: pass split_k= to make it even, "
+                         "or use fp8_schedule='serial'")
 
     xb = x.astype(_BF)
     s_t = None
@@ -263,7 +319,7 @@ def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=N
     else:
         xp = jnp.zeros((cfg.m_pad, K), _BF).at[:M].set(xb)
     part_dtype = _F32 if cfg.split_k > 1 or fp8 else out_dtype
-    part = _kernel_call(xp, w, s_t, cfg, part_dtype, interpret)          # [S, N, m_pad]
+    part = _kernel_call(xp, w, s_t, cfg, part_dtype, interpret, fp8_schedule)     # [S, N, m_pad]
     y = (part[0] if cfg.split_k == 1 else part.sum(0))[:, :M].T          # [M, N]
     if fp8:
         y = jnp.ldexp(y, (e - X_TOP_EXP)[:, None])

@@ -84,6 +84,26 @@ def test_interpret_matches_reference(M, K, N, fp8, kw):
     _check(out, skinny_gemm_reference(x, w, s), 1e-5)      # float32 accumulation, exact operands
 
 
+# fp8_schedule='pair': two K tiles per pipeline step (an even count per program)
+PAIR_CASES = [
+    (1, 256, 256, {}),
+    (9, 512, 256, dict(block_n=128, split_k=2)),
+    (16, 1024, 128, dict(stages=4)),
+    (5, 768, 192, dict(split_k=3)),                           # N = 1.5 scale blocks, 2 tiles per program
+]
+
+
+@pytest.mark.parametrize("M,K,N,kw", PAIR_CASES)
+@interpret_only
+def test_interpret_pair_schedule_matches_reference(M, K, N, kw):
+    w, s = _weights(K, N, True, seed=M + K)
+    x = _x(M, K, seed=M)
+    out = jax.block_until_ready(skinny_gemm_pallas(x, w, s, interpret=INTERPRET, out_dtype=F32,
+                                                   fp8_schedule="pair", **kw))
+    _assert_no_race_flagged()
+    _check(out, skinny_gemm_reference(x, w, s), 1e-5)
+
+
 @interpret_only
 def test_interpret_default_out_dtype_is_x_dtype():
     w, s = _weights(256, 128, True, seed=3)
@@ -138,6 +158,9 @@ def test_rejects_bad_inputs():
         (dict(x=x, w=wb, block_n=96), "block_n=96"),
         (dict(x=x, w=wb, split_k=3), "split_k=3 must divide"),
         (dict(x=x[0], w=wb), "must be 2-D"),
+        (dict(x=x, w=w, scale=s, fp8_schedule="fast"), "fp8_schedule='fast' must be one of"),
+        (dict(x=_x(2, 384), w=_weights(384, 128, True)[0], scale=_weights(384, 128, True)[1],
+              fp8_schedule="pair", split_k=1), "even number of K tiles per program"),
     ]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
@@ -182,6 +205,14 @@ def test_cross_lowers_for_cuda_ling_shape(M, K, N, fp8):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("K,N", LING_SHAPES + [(2560, 576)])
+@pytest.mark.parametrize("M", [1, 9])
+def test_pair_schedule_cross_lowers_for_cuda_ling_shape(M, K, N):
+    f = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32 if N > 100_000 else None, fp8_schedule="pair"))
+    text = f.trace(*_abstract(M, K, N, True)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 # ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
 @gpu_only
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -193,6 +224,16 @@ def test_gpu_ling_shape_matches_reference(M, K, N, fp8):
     out = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32))(x, w, *(() if s is None else (s,)))
     ref = jax.jit(skinny_gemm_reference)(x, w, s)
     _check(out, ref, 1e-4)
+
+
+@gpu_only
+@pytest.mark.parametrize("K,N", LING_SHAPES)
+@pytest.mark.parametrize("M", [1, 9, 16])
+def test_gpu_pair_schedule_ling_shape_matches_reference(M, K, N):
+    w, s = _weights(K, N, True, seed=1)
+    x = _x(M, K, seed=M)
+    out = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32, fp8_schedule="pair"))(x, w, s)
+    _check(out, jax.jit(skinny_gemm_reference)(x, w, s), 1e-4)
 
 
 @gpu_only
@@ -209,8 +250,9 @@ def test_timing_entry_point_cpu_smoke(tmp_path):
     """bench/skinny_gemm_timing.py end to end in interpret mode (tiny shape; times meaningless)."""
     from bench.skinny_gemm_timing import main
     rec = main(["--interpret", "--M", "9", "--shapes", "256x128", "--iters", "1", "--warmup", "1", "--copies", "2",
-                "--no-xla-defaults", "--out-dir", str(tmp_path)])
-    assert len(rec["results"]) == 2                            # bf16, fp8
+                "--fp8-schedule", "serial,pair", "--no-xla-defaults", "--out-dir", str(tmp_path)])
+    assert len(rec["results"]) == 3                            # bf16, fp8 serial, fp8 pair
+    assert [r["tiling"].get("fp8_schedule") for r in rec["results"]] == [None, "serial", "pair"]
     for r in rec["results"]:
         assert "kernel_error" not in r and "xla_error" not in r, r
         assert r["finite"] and r["max_abs_err"] <= 1e-5 * r["ref_max"]
