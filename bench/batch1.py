@@ -8,7 +8,8 @@ Several --spec methods and --forced-accept values (comma lists) run in one proce
 weights: one row each (spec none ignores tau), one warm-up per method (the forced-acceptance
 pattern is a traced input, so every tau reuses the compiled loop). Repeated --approx flags add row
 sets with approximate modes on the same weights (`--approx none --approx expert_keep=0.75`);
---compile-workers N compiles all row sets' programs ahead, N at a time (full depth: minutes each).
+--compile-workers N compiles all row sets' programs ahead, N at a time (full depth: minutes each);
+--compile-only stops after that (with JAX_COMPILATION_CACHE_DIR set, the next run loads them).
 
 Random-token prompts of --input-len, --output-len greedy tokens each, --num-prompts requests one
 after the other after one excluded warm-up request (32 tokens, same programs). Each request is:
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compile every row set's prefill and loop ahead of the runs, N at a time in threads "
                          "(XLA compiles without the GIL; a full-depth loop takes minutes to compile, so "
                          "several --approx / --spec row sets gain from N > 1). 1 = compile at each warm-up")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile every row set's programs ahead (as --compile-workers) and exit without "
+                         "running: with JAX_COMPILATION_CACHE_DIR set, a later run loads them from the cache")
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
     return ap
 
@@ -418,6 +422,15 @@ def main(argv=None) -> dict:
         return None if tau is None else jnp.asarray(accept_pattern(tau), jnp.int32)
 
     compiled = {}
+    if a.compile_only:
+        if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+            print("warning: --compile-only without JAX_COMPILATION_CACHE_DIR keeps nothing for a later run",
+                  file=sys.stderr)
+        compiled = compile_ahead(decoders, lambda key, dec: request_inputs(dec, pattern_of(taus_of(key[1])[0]),
+                                                                           a.output_len),
+                                 samp, a.output_len, a.compile_workers,
+                                 name=lambda key: f"{key[1]} approx {key[0].describe()}")
+        return {"compiled": len(compiled)}
     if a.compile_workers > 1:
         compiled = compile_ahead(decoders, lambda key, dec: request_inputs(dec, pattern_of(taus_of(key[1])[0]),
                                                                            a.output_len),

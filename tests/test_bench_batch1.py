@@ -88,6 +88,34 @@ def test_batch1_approx_row_sets_compiled_ahead(tmp_path, capsys):
     assert saved["flags"]["approx"] == ["none", "expert_keep=0.5,bf16_kda_state"]
 
 
+def test_batch1_compile_only_fills_the_persistent_cache(tmp_path):
+    """--compile-only compiles ahead and exits; a second process then finds the programs in the
+    persistent compilation cache (the plan for full-depth kernel rows split over device calls)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root),
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    argv = [sys.executable, "-m", "bench.batch1"] + BASE + ["--num-prompts", "1", "--spec", "dspark",
+                                                           "--forced-accept", "3", "--block-size", "4",
+                                                           "--out", str(tmp_path / "res")]
+    first = subprocess.run(argv + ["--compile-only"], capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "[compile ahead] 1 prefill + loop pairs" in first.stdout and not (tmp_path / "res").exists()
+    cached = set(os.listdir(tmp_path / "cache"))
+    assert cached
+    second = subprocess.run(argv + ["--compile-workers", "2"], capture_output=True, text=True, timeout=300,
+                            cwd=root, env=env)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert json.loads(second.stdout.strip().splitlines()[-1])["bench"] == "batch1"
+    def programs(names):       # cache entries are named <jitted function>-<key hash>
+        return {n for n in names if n.startswith(("jit__prefill-", "jit__run-"))}
+    assert len(programs(cached)) == 2                                   # the prefill and the loop
+    assert programs(os.listdir(tmp_path / "cache")) == programs(cached)  # the run loaded both
+
+
 def test_batch1_profile_breakdown(tmp_path, capsys):
     """--profile traces one more request per row of the --profile-spec methods and attributes its
     device time to components."""
