@@ -421,21 +421,17 @@ def main(argv=None) -> dict:
     def pattern_of(tau):
         return None if tau is None else jnp.asarray(accept_pattern(tau), jnp.int32)
 
+    if a.compile_only and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        print("warning: --compile-only without JAX_COMPILATION_CACHE_DIR keeps nothing for a later run",
+              file=sys.stderr)
     compiled = {}
+    if a.compile_only or a.compile_workers > 1:
+        compiled = compile_ahead(decoders, lambda key, dec: request_inputs(dec, pattern_of(taus_of(key[1])[0]),
+                                                                           a.output_len),
+                                 samp, a.output_len, a.compile_workers,
+                                 name=lambda key: f"{key[1]} approx {key[0].describe()}")
     if a.compile_only:
-        if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-            print("warning: --compile-only without JAX_COMPILATION_CACHE_DIR keeps nothing for a later run",
-                  file=sys.stderr)
-        compiled = compile_ahead(decoders, lambda key, dec: request_inputs(dec, pattern_of(taus_of(key[1])[0]),
-                                                                           a.output_len),
-                                 samp, a.output_len, a.compile_workers,
-                                 name=lambda key: f"{key[1]} approx {key[0].describe()}")
         return {"compiled": len(compiled)}
-    if a.compile_workers > 1:
-        compiled = compile_ahead(decoders, lambda key, dec: request_inputs(dec, pattern_of(taus_of(key[1])[0]),
-                                                                           a.output_len),
-                                 samp, a.output_len, a.compile_workers,
-                                 name=lambda key: f"{key[1]} approx {key[0].describe()}")
     records = []
     for (modes, method), dec in decoders.items():
         taus = taus_of(method)

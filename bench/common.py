@@ -47,6 +47,14 @@ def block(x):
     return x
 
 
+def int_list(ap, text: str, flag: str) -> list[int]:
+    """'1,9,16' -> [1, 9, 16] for a command-line flag; a non-integer exits 2 via ap.error."""
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        ap.error(f"{flag} must be comma-separated integers, got {text!r}")
+
+
 def time_fn(f, args, iters, warmup):
     """(median seconds of one blocked call, seconds per call when issued back to back)."""
     import jax

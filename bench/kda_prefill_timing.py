@@ -25,7 +25,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.common import time_rows
+from bench.common import int_list, time_rows
 from lingjax import xla_env
 
 FLA_MS = {8192: 1.09, 65536: 8.25}      # FLA chunk_kda on the H200 (spec/kda.md)
@@ -155,10 +155,7 @@ def logit(beta):
 def main(argv=None) -> dict:
     ap = build_parser()
     a = ap.parse_args(argv)
-    try:
-        Ts = [int(x) for x in a.T.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--T must be comma-separated integers, got {a.T!r}")
+    Ts = int_list(ap, a.T, "--T")
     if not Ts or min(Ts) < 1 or a.iters < 1 or a.seqs < 1 or a.heads < 1:
         ap.error("--T, --iters, --seqs and --heads must be >= 1")
     if not a.no_xla_defaults:

@@ -18,6 +18,8 @@ import collections
 import re
 import time
 
+from bench.common import int_list
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.kernel_module_size", description=__doc__,
@@ -43,10 +45,7 @@ def call_sizes(hlo_text: str) -> list[tuple[bytes, int]]:
 def main(argv=None) -> dict:
     ap = build_parser()
     a = ap.parse_args(argv)
-    try:
-        lengths = [int(t) for t in a.tokens.split(",") if t.strip()]
-    except ValueError:
-        ap.error(f"--tokens {a.tokens!r}: expected a comma list of positive integers")
+    lengths = int_list(ap, a.tokens, "--tokens")
     if not lengths or min(lengths) < 1 or a.layers < 1:
         ap.error("--tokens needs positive lengths and --layers >= 1")
     import jax

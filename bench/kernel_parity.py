@@ -91,6 +91,8 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     kernels = _kernel_list(ap, a.kernels)
     specs = _spec_list(ap, a.spec)
+    if a.router_bias_sd < 0 or a.max_tie_margin < 0:
+        ap.error("--router-bias-sd and --max-tie-margin must be >= 0")
     if a.layers < 1 or a.input_len < 1 or a.output_len < 2 or a.block_size < 1 or a.compile_workers < 1:
         ap.error("--layers >= 1, --input-len >= 1, --output-len >= 2, --block-size >= 1 and "
                  "--compile-workers >= 1 are required")

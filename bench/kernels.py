@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Callable
 
-from bench.common import time_fn
+from bench.common import int_list, time_fn
 from lingjax import xla_env
 
 LING = dict(B=1, H=32, K=128)           # Ling-3.0-flash KDA: 32 heads x 128
@@ -233,10 +233,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if a.iters < 1:
         ap.error(f"--iters must be >= 1, got {a.iters}")
-    try:
-        block_vs = [int(x) for x in a.block_v.split(",") if x.strip()] or [None]
-    except ValueError:
-        ap.error(f"--block-v must be comma-separated integers, got {a.block_v!r}")
+    block_vs = int_list(ap, a.block_v, "--block-v") or [None]
     if not a.no_xla_defaults:
         xla_env.configure()
     import jax

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.common import loop_timing, time_rows
+from bench.common import int_list, loop_timing, time_rows
 from lingjax import xla_env
 
 
@@ -139,10 +139,7 @@ def run_M(M, a, weights, interpret, copy_bw) -> dict:
 def main(argv=None) -> dict:
     ap = build_parser()
     a = ap.parse_args(argv)
-    try:
-        Ms = [int(m) for m in a.M.split(",") if m.strip()]
-    except ValueError:
-        ap.error(f"--M must be comma-separated integers, got {a.M!r}")
+    Ms = int_list(ap, a.M, "--M")
     if not Ms or min(Ms) < 1 or max(Ms) > 16 or a.iters < 1:
         ap.error("--M values must be in 1..16 and --iters >= 1")
     if a.D % 128 or a.F % 128 or not 1 <= a.k <= a.E:

@@ -32,7 +32,7 @@ import itertools
 import json
 from pathlib import Path
 
-from bench.common import COPY_BW_H200, loop_timing, time_rows
+from bench.common import COPY_BW_H200, int_list, loop_timing, time_rows
 from lingjax import xla_env
 
 LING_SHAPES = "2560x20480,4096x2560,2560x157184"
@@ -61,13 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out-dir", default=None, help="result directory (default bench/results)")
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
     return ap
-
-
-def _ints(ap, s, what):
-    try:
-        return [int(v) for v in s.split(",") if v.strip()]
-    except ValueError:
-        ap.error(f"{what} must be comma-separated integers, got {s!r}")
 
 
 def make_weights(K, N, fp8, seed):
@@ -163,7 +156,7 @@ def _line(r) -> str:
 def main(argv=None) -> dict:
     ap = build_parser()
     a = ap.parse_args(argv)
-    Ms = _ints(ap, a.M, "--M")
+    Ms = int_list(ap, a.M, "--M")
     if a.copies is not None and a.copies < 1:
         ap.error(f"--copies must be >= 1, got {a.copies}")
     if not Ms or min(Ms) < 1 or max(Ms) > 16 or a.iters < 1:
@@ -177,7 +170,7 @@ def main(argv=None) -> dict:
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     if not dtypes or set(dtypes) - {"bf16", "fp8"}:
         ap.error(f"--dtypes must be a comma list of bf16/fp8, got {a.dtypes!r}")
-    grids = {k: _ints(ap, v, "--" + k.replace("_", "-")) or [None]
+    grids = {k: int_list(ap, v, "--" + k.replace("_", "-")) or [None]
              for k, v in (("block_n", a.block_n), ("split_k", a.split_k), ("stages", a.stages))}
     tilings = [{k: v for k, v in zip(grids, combo) if v is not None}
                for combo in itertools.product(*grids.values())]

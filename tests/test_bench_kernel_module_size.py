@@ -25,8 +25,10 @@ def test_call_sizes_parses_hashes():
     assert len(sizes) == 2 and sizes[0][0] == sizes[1][0] == b'ab\\"c'
 
 
-@pytest.mark.parametrize("argv", [["--tokens", "0"], ["--tokens", "a,b"], ["--layers", "0"]])
-def test_bad_flags(argv, capsys):
+@pytest.mark.parametrize("argv,msg", [(["--tokens", "0"], "positive lengths"),
+                                      (["--tokens", "a,b"], "comma-separated integers"),
+                                      (["--layers", "0"], "--layers >= 1")])
+def test_bad_flags(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         kernel_module_size.main(["--tiny"] + argv)
-    assert e.value.code == 2
+    assert e.value.code == 2 and msg in capsys.readouterr().err

@@ -21,7 +21,8 @@ def test_kernel_parity_tiny_interpret(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra,msg", [(["--kernels", "kda,flash"], "--kernels"), (["--spec", "eagle"], "--spec"),
-                                       (["--output-len", "1"], "--output-len >= 2")])
+                                       (["--output-len", "1"], "--output-len >= 2"),
+                                       (["--router-bias-sd", "-1"], "must be >= 0")])
 def test_kernel_parity_bad_flags(capsys, extra, msg):
     with pytest.raises(SystemExit) as e:
         kernel_parity.main(["--tiny", "--interpret"] + extra)
