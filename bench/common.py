@@ -228,6 +228,12 @@ def compile_ahead(decoders: dict, inputs, samp, output_len: int, workers: int, n
     out, args = {}, {}
     one_device = jax.device_count() == 1
 
+    def timed(label, lowered):
+        t = time.perf_counter()
+        exe = lowered.compile()
+        print(f"[compile ahead] {label} compiled in {time.perf_counter() - t:.0f}s", flush=True)
+        return exe
+
     def state_of(info):
         return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=getattr(o, "sharding", None)),
                             info)
@@ -235,18 +241,22 @@ def compile_ahead(decoders: dict, inputs, samp, output_len: int, workers: int, n
         prefills, loops = {}, {}
         for key, dec in decoders.items():
             prompt, override, rkey, step_cost = args[key] = inputs(key, dec)
+            t = time.perf_counter()
             lowered = dec.prefill.lower(dec.params, prompt, output_len, jnp.int32(output_len), rkey, samp, step_cost)
-            prefill = pool.submit(lowered.compile)
+            print(f"[compile ahead] {name(key)} prefill lowered in {time.perf_counter() - t:.0f}s", flush=True)
+            prefill = pool.submit(timed, f"{name(key)} prefill", lowered)
             if one_device:
+                t = time.perf_counter()
                 loop = dec.run.lower(dec.params, state_of(lowered.out_info), samp, override, output_len + 1)
-                loops[pool.submit(loop.compile)] = (key, prefill)
+                print(f"[compile ahead] {name(key)} loop lowered in {time.perf_counter() - t:.0f}s", flush=True)
+                loops[pool.submit(timed, f"{name(key)} loop", loop)] = (key, prefill)
             else:
                 prefills[prefill] = key
         for fut in as_completed(prefills):
             key = prefills[fut]
             dec, override = decoders[key], args[key][1]
             lowered = dec.run.lower(dec.params, state_of(fut.result().out_info), samp, override, output_len + 1)
-            loops[pool.submit(lowered.compile)] = (key, fut)
+            loops[pool.submit(timed, f"{name(key)} loop", lowered)] = (key, fut)
         for fut in as_completed(loops):
             key, prefill = loops[fut]
             out[key] = (prefill.result(), fut.result())
