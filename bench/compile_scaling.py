@@ -1,6 +1,6 @@
 """How XLA's compile time grows with the number of Mosaic GPU call sites in one program.
 
-    python -m bench.compile_scaling --kernels prefill,skinny,xla --sites 1,8,32   # on the H200
+    python -m bench.compile_scaling --kernels prefill,prefill+shared,skinny,xla --sites 1,4  # H200
     python -m bench.compile_scaling --kernels skinny --sites 1,2 --lower-only     # any host
 
 A full-depth model with the Pallas kernels compiles for many minutes longer than the XLA path,
@@ -10,6 +10,8 @@ N calls of ONE kernel chained through their outputs, for several N:
   prefill  the fused KDA prefill kernel on a 2048-token chunk (H = 32, K = V = 128, ~2 MB per site)
   skinny   the fp8 skinny GEMM, x [1, 2560] @ w [2560, 20480] (the KDA input projection, ~0.1 MB)
   xla      the same chain with XLA's dot on a bf16 weight (no Mosaic call: the control)
+A "+shared" suffix calls the kernel through lingjax.model.kernels.shared_call (one cached jit: the
+module text appears once however many call sites), as the model does.
 Each program is lowered and compiled in a fresh jit (JAX's persistent cache off for the run); a
 per-site cost that is flat in N says the module text is not what makes the full model slow.
 """
@@ -20,7 +22,7 @@ import time
 
 from bench.common import int_list
 
-KERNELS = ("prefill", "skinny", "xla")
+KERNELS = ("prefill", "skinny", "xla", "prefill+shared", "skinny+shared")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,16 +41,20 @@ def chain(kind: str, n: int):
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.kda_prefill import kda_prefill_fused_pallas
-    from pallas_kernels.skinny_gemm import skinny_gemm_pallas
+    from lingjax.model.kernels import shared_call
+    from pallas_kernels import kda_prefill, skinny_gemm
 
     sds = jax.ShapeDtypeStruct
+    kind, shared = kind.removesuffix("+shared"), kind.endswith("+shared")
+
+    def call(fn, *args, **kw):
+        return shared_call(fn, *args, **kw) if shared else fn(*args, **kw)
     if kind == "prefill":
         T, H, K = 2048, 32, 128
 
         def fn(q, k, v, f, b, a_log, dt_bias):
             for _ in range(n):   # the output feeds the next call's v: n distinct, ordered call sites
-                o, _ = kda_prefill_fused_pallas(q, k, v, f, b, a_log, dt_bias, lower_bound=-5.0)
+                o, _ = call(kda_prefill.kda_prefill_fused_pallas, q, k, v, f, b, a_log, dt_bias, lower_bound=-5.0)
                 v = o.astype(v.dtype)
             return v
         bf = jnp.bfloat16
@@ -58,7 +64,7 @@ def chain(kind: str, n: int):
     if kind == "skinny":
         def fn(x, w, s):
             for _ in range(n):
-                x = skinny_gemm_pallas(x, w, s)[:, :D]
+                x = call(skinny_gemm.skinny_gemm_pallas, x, w, s)[:, :D]
             return x
         return fn, (sds((1, D), jnp.bfloat16), sds((D, N), jnp.float8_e4m3fn),
                     sds((D // 128, N // 128), jnp.float32))

@@ -1,20 +1,24 @@
-"""What the Pallas kernels put into a program: Mosaic GPU calls, distinct kernels, module text.
+"""What the Pallas kernels put into a program: kernel launches, distinct kernels, module text.
 
     python -m bench.kernel_module_size --layers 6 --dtype fp8 --tokens 1,9,2048
     python -m bench.kernel_module_size --tiny --layers 4 --tokens 1,9,200          # CI-sized
 
 Cross-lowers one forward of the model (all three kernel switches 'pallas') for CUDA on any host
 (nothing runs, no weights: abstract shapes) at each --tokens length (1: decode; 2-16: a verify
-block, KDA states pending, as the speculative decoder runs it; more: a prefill chunk) and counts the `mosaic_gpu` custom calls, the distinct kernels among
-them (calls of one kernel share a kernel hash) and the text each call carries: every call site
-holds its kernel's whole serialized module. A full-depth program with kernels compiled for minutes
-longer than the XLA one on the H200 (docs/PERFORMANCE.md); this shows how much module text such a
-program hands XLA, so a kernel change that shrinks it can be checked on a CPU.
+block, KDA states pending, as the speculative decoder runs it; more: a prefill chunk) and counts
+the kernel launches per forward (`mosaic_gpu` custom calls, each counted once per call of the
+function holding it), the distinct kernels (kernel hash), and the `mosaic_gpu` custom-call
+instructions in the program text (`calls`), each holding its kernel's whole serialized module.
+XLA's compile time grows with that text at every instruction (bench.compile_scaling); the model
+calls its kernels through lingjax.model.kernels.shared_call, so each distinct kernel's module
+appears once however many layers launch it. This shows how much module text a program hands XLA,
+so a change that grows or shrinks it can be checked on a CPU.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import re
 import time
 
@@ -40,6 +44,25 @@ def call_sizes(hlo_text: str) -> list[tuple[bytes, int]]:
             m = re.search(r'kernel_hash\s*=\s*"((?:[^"\\]|\\.)*)"', line)
             out.append(((m.group(1) if m else line[:200]).encode(), len(line)))
     return out
+
+
+def launches(text: str) -> int:
+    """Mosaic GPU kernel launches of one run of `main` in StableHLO text: each function's own
+    `mosaic_gpu` custom calls plus, for each `call @f` in it, f's launches."""
+    own, calls, name = collections.Counter(), collections.defaultdict(list), None
+    for line in text.splitlines():
+        m = re.match(r"\s*func\.func \w+ @([\w.$-]+)\(", line)
+        if m:
+            name = m.group(1)
+        elif name is not None:
+            if "custom_call" in line and "mosaic_gpu" in line:
+                own[name] += 1
+            calls[name] += re.findall(r"\bcall @([\w.$-]+)\(", line)
+
+    @functools.cache
+    def total(f):
+        return own[f] + sum(total(g) for g in calls[f])
+    return total("main")
 
 
 def main(argv=None) -> dict:
@@ -90,15 +113,16 @@ def main(argv=None) -> dict:
         for h, n in calls:
             per_kernel[h].append(n)
         kernels = sorted(((max(v), len(v)) for v in per_kernel.values()), reverse=True)
-        rows.append({"tokens": t, "calls": len(calls), "distinct_kernels": len(per_kernel),
+        rows.append({"tokens": t, "launches": launches(text), "calls": len(calls), "distinct_kernels": len(per_kernel),
                      "module_text_bytes": sum(n for _, n in calls), "program_text_bytes": len(text),
                      "largest_kernels": [{"bytes_per_call": b, "calls": c} for b, c in kernels[:6]],
                      "lowering_s": time.perf_counter() - t0})
-    print(f"== Mosaic GPU calls per forward: {a.layers} layers, {a.dtype}, "
+    print(f"== Mosaic GPU kernels per forward: {a.layers} layers, {a.dtype}, "
           f"{'tiny' if a.tiny else 'Ling-3.0-flash'} widths, all three kernels ==")
     for r in rows:
         big = ", ".join(f"{k['bytes_per_call'] / 1e6:.2f} MB x {k['calls']}" for k in r["largest_kernels"][:3])
-        print(f"T={r['tokens']:<6d} {r['calls']:3d} calls, {r['distinct_kernels']:2d} distinct kernels, module text "
+        print(f"T={r['tokens']:<6d} {r['launches']:3d} kernel launches, {r['calls']:3d} custom calls in the text, "
+              f"{r['distinct_kernels']:2d} distinct kernels, module text "
               f"{r['module_text_bytes'] / 1e6:6.1f} MB of {r['program_text_bytes'] / 1e6:6.1f} MB (largest: {big})")
     rec = {"bench": "kernel_module_size", "layers": a.layers, "dtype": a.dtype, "tiny": a.tiny, "rows": rows}
     rec["result_path"] = str(save_result("kernel_module_size", rec, a.out))

@@ -37,6 +37,27 @@ def kernel_forward(model, tokens, cache, **kw):
         return jax.jit(lambda t, c: model(t, c, **kw))(tokens, cache)
 
 
+def kernel_calls(fn, *args, name: str) -> int:
+    """How many calls of the jitted kernel entry point `name` (lingjax.model.kernels.shared_call
+    jits it under the function's name) one run of fn(*args) makes, traced in `kernel_mode`."""
+    with kernel_mode():
+        closed = jax.make_jaxpr(fn)(*args)
+
+    def count(jaxpr) -> int:
+        n = 0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == name:
+                n += 1
+                continue
+            for v in eqn.params.values():
+                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        n += count(inner)
+        return n
+    return count(closed.jaxpr)
+
+
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))

@@ -138,7 +138,8 @@ def dense_matmul(x, weight, *, k_axes: int = 1, out_dtype=None):
     K, N = w.shape
     lead = x.shape[:x.ndim - k_axes]
     out_dtype = out_dtype or jnp.promote_types(x.dtype, compute_dtype(weight))
-    y = skinny_gemm.skinny_gemm_pallas(x.reshape(-1, K), w, scale, interpret=interpret, out_dtype=out_dtype)
+    y = kernels.shared_call(skinny_gemm.skinny_gemm_pallas, x.reshape(-1, K), w, scale, interpret=interpret,
+                            out_dtype=jnp.dtype(out_dtype))
     return y.reshape(*lead, *weight.shape[k_axes:])
 
 

@@ -87,7 +87,7 @@ def _pallas(fn, *args, head_axes, out_head_axes):
     `kernel_mesh(mesh)` split over the mesh's 'tp' axis by heads. `head_axes`: the heads dim of
     each arg (None: a replicated scalar); `out_head_axes`: (ndim, heads dim) of each output, or one
     such pair for a single output."""
-    call = functools.partial(fn, interpret=kernels.interpret_arg("kda_kernel"))
+    call = functools.partial(kernels.shared_call, fn, interpret=kernels.interpret_arg("kda_kernel"))
     mesh = kernels.current_mesh()
     if mesh is None:
         return call(*args)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -61,6 +62,24 @@ def interpret_arg(switch: str):
                          f"the backend is {jax.default_backend()!r}. Use {switch}='xla' (tests on CPU trace "
                          "the model inside lingjax.model.kernels.pallas_interpret()).")
     return interpret or False
+
+
+@functools.cache
+def _jitted(fn, static: tuple[str, ...]):
+    return jax.jit(fn, static_argnames=static)
+
+
+def shared_call(fn, *arrays, **settings):
+    """fn(*arrays, **settings) through one cached `jax.jit` per kernel entry point.
+
+    Inside a traced program, calls with the same shapes and settings then lower to ONE function
+    that each call site calls: a Mosaic GPU kernel's serialized module (up to ~2 MB) appears once
+    per program instead of once per layer. XLA's compile time grows with that text at every call
+    site (bench.compile_scaling), which made the 42-layer programs compile for 5 minutes and more.
+    arrays: positional array arguments (or None); settings: static keyword settings (hashable).
+    The numbers are those of fn called directly. One profiling cost: after inlining, every call
+    carries the name scope (profile component) of the first call site traced."""
+    return _jitted(fn, tuple(sorted(settings)))(*arrays, **settings)
 
 
 def check_runnable(kernels: dict[str, str], mesh) -> None:

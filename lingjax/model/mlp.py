@@ -95,7 +95,8 @@ def _pallas_experts(xf, idx, w, w_gate_up, w_down, limit):
         raise ValueError("moe_kernel='pallas' is not split over devices (no shard_map over the experts); "
                          "use moe_kernel='xla' on a device mesh")
     gu, gu_scale, d, d_scale = expert_kernel_weights(w_gate_up, w_down)
-    return moe_experts.moe_experts_pallas(xf, idx, w, gu, gu_scale, d, d_scale, limit, interpret=interpret)
+    return kernels.shared_call(moe_experts.moe_experts_pallas, xf, idx, w, gu, gu_scale, d, d_scale,
+                               limit=limit, interpret=interpret)
 
 
 class DenseMLP(nnx.Module):
