@@ -496,6 +496,8 @@ class Breakdown:
                                                # kernels are also in their component's row
     collective_kernels: int = 0                # all devices
     trace: str = ""
+    top_kernels: dict = dataclasses.field(default_factory=dict)   # component -> [{name, us, count}]:
+                                               # its kernels by name (numeric suffixes dropped), most time first
 
     @property
     def collective_per_step_us(self) -> float | None:
@@ -530,6 +532,11 @@ def _classify(e: Event, index: HloIndex):
     return None, "none", reason
 
 
+def kernel_kind(name: str) -> str:
+    """A kernel's name without XLA's numeric suffixes (loop_add_fusion_12 -> loop_add_fusion)."""
+    return re.sub(r"([._]\d+)+$", "", name) or name
+
+
 def breakdown_events(events: list[Event], index: HloIndex, steps: int | None = None, *,
                      windows=None, window_event: str | None = None, top: int = 8) -> Breakdown:
     """The breakdown of already loaded trace events (see `breakdown`)."""
@@ -556,7 +563,7 @@ def breakdown_events(events: list[Event], index: HloIndex, steps: int | None = N
     total = dict.fromkeys(ROWS, 0.0)
     count = dict.fromkeys(ROWS, 0)
     matched_by = dict.fromkeys(("hlo_op", "inferred", "name", "kernel", "none"), 0)
-    other = {}
+    other, by_name = {}, {}
     cache = {}
     graph_kernels = 0
     coll_us, coll_n = 0.0, 0
@@ -576,6 +583,9 @@ def breakdown_events(events: list[Event], index: HloIndex, steps: int | None = N
         row = comp or OTHER
         total[row] += excl[id(e)] / n_dev
         count[row] += 1
+        kinds = by_name.setdefault(row, {}).setdefault(kernel_kind(e.name), {"us": 0.0, "count": 0})
+        kinds["us"] += excl[id(e)] / n_dev
+        kinds["count"] += 1 / n_dev
         if row == OTHER:
             op = e.args.get("hlo_op")
             k = (e.name, str(op) if op is not None else "")
@@ -597,8 +607,11 @@ def breakdown_events(events: list[Event], index: HloIndex, steps: int | None = N
     per_step = {k: v / steps for k, v in total.items()} if steps else None
     kps = {k: v / steps / n_dev for k, v in count.items()} if steps else None
     unmatched = sorted(other.values(), key=lambda o: -o["us"])[:top]
+    top_kernels = {row: [{"name": n, **v} for n, v in sorted(kinds.items(), key=lambda kv: -kv[1]["us"])[:top]]
+                   for row, kinds in by_name.items()}
     return Breakdown(total, per_step, {k: v / win.length for k, v in total.items()}, count, kps,
-                     win.length, busy, devices, steps, unmatched, matched_by, notes, coll_us, coll_n)
+                     win.length, busy, devices, steps, unmatched, matched_by, notes, coll_us, coll_n,
+                     top_kernels=top_kernels)
 
 
 def breakdown(trace_dir, hlo_texts: list[str], steps: int | None = None, *, windows=None,
@@ -657,6 +670,13 @@ def format_table(b: Breakdown) -> str:
         for o in b.unmatched:
             op = f" [hlo_op {o['hlo_op']}]" if o["hlo_op"] and o["hlo_op"] != o["name"] else ""
             lines.append(f"  {o['us']:12.1f} {o['count']:7d}  {o['name'][:90]}{op} ({o['reason']})")
+    if b.top_kernels:
+        steps = b.steps or 1
+        unit = "us/step, count/step" if b.steps else "us, count"
+        lines.append(f"kernels by name per component ({unit}, most time first):")
+        for row in ROWS:
+            for k in b.top_kernels.get(row, []):
+                lines.append(f"  {row:10s} {k['us'] / steps:10.1f} {k['count'] / steps:8.1f}  {k['name'][:90]}")
     lines += [f"note: {n}" for n in b.notes]
     return "\n".join(lines)
 

@@ -37,25 +37,31 @@ def kernel_forward(model, tokens, cache, **kw):
         return jax.jit(lambda t, c: model(t, c, **kw))(tokens, cache)
 
 
-def kernel_calls(fn, *args, name: str) -> int:
-    """How many calls of the jitted kernel entry point `name` (lingjax.model.kernels.shared_call
-    jits it under the function's name) one run of fn(*args) makes, traced in `kernel_mode`."""
+def kernel_call_shapes(fn, *args, name: str) -> list[tuple[int, ...]]:
+    """The first operand's shape of each call of the jitted kernel entry point `name`
+    (lingjax.model.kernels.shared_call jits it under the function's name) that one run of
+    fn(*args) makes, traced in `kernel_mode`."""
     with kernel_mode():
         closed = jax.make_jaxpr(fn)(*args)
 
-    def count(jaxpr) -> int:
-        n = 0
+    def walk(jaxpr) -> list:
+        out = []
         for eqn in jaxpr.eqns:
             if eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == name:
-                n += 1
+                out.append(tuple(eqn.invars[0].aval.shape))
                 continue
             for v in eqn.params.values():
                 for sub in (v if isinstance(v, (tuple, list)) else (v,)):
                     inner = getattr(sub, "jaxpr", sub)
                     if hasattr(inner, "eqns"):
-                        n += count(inner)
-        return n
-    return count(closed.jaxpr)
+                        out += walk(inner)
+        return out
+    return walk(closed.jaxpr)
+
+
+def kernel_calls(fn, *args, name: str) -> int:
+    """How many calls of the kernel entry point `name` one run of fn(*args) makes (kernel_call_shapes)."""
+    return len(kernel_call_shapes(fn, *args, name=name))
 
 
 def rel(a, b) -> float:

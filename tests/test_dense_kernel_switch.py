@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from bench import kernel_module_size
 from conftest import LING_TINY
 from helpers import kernel_calls, kernel_forward, kernel_mode, random_model, rel, tiny_config
 from lingjax.config import preset
@@ -266,8 +267,7 @@ def test_cross_lowers_for_cuda_with_all_three_kernels():
     with pallas_cross_lowering():
         text = jax.jit(decode).trace(state, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache).lower(
             lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "mosaic_gpu" in line and "custom_call" in line]
-    assert len(calls) == n_dense + 3 + 2 * 2
+    assert kernel_module_size.launches(text) == n_dense + 3 + 2 * 2
 
 
 def test_loader_and_cli_flags():

@@ -128,6 +128,22 @@ def test_dedupe_skips_zero_weight_slots():
     assert not np.asarray(wu).any()
 
 
+def test_dedupe_single_token_keeps_slot_order():
+    """M = 1 (plain decode): the slots as they are, zero-weight ones -1; the same experts and
+    weights as the sorting path gives for the token (checked against it via a second, empty token)."""
+    idx = jnp.asarray([[5, 2, 9, 7]], jnp.int32)
+    w = jnp.asarray([[0.1, 0.0, 0.3, 0.4]], F32)
+    uniq, wu = dedupe_experts(idx, w, 16)
+    np.testing.assert_array_equal(np.asarray(uniq), [5, -1, 9, 7])
+    np.testing.assert_allclose(np.asarray(wu), [[0.1], [0], [0.3], [0.4]])
+    two_u, two_wu = dedupe_experts(jnp.concatenate([idx, idx]), jnp.concatenate([w, jnp.zeros_like(w)]), 16)
+    by_expert = {int(e): float(x) for e, x in zip(np.asarray(two_u), np.asarray(two_wu)[:, 0]) if e >= 0}
+    assert by_expert == {int(e): float(x) for e, x in zip(np.asarray(uniq), np.asarray(wu)[:, 0]) if e >= 0}
+    uniq, wu = dedupe_experts(idx, jnp.zeros_like(w), 16)          # nothing to run at all
+    np.testing.assert_array_equal(np.asarray(uniq), [-1] * 4)
+    assert not np.asarray(wu).any()
+
+
 # (M, D, F, mode, limit, kind): small shapes; D = 256 is 2 scale blocks, F = 256 is 2 blocks / 4 tiles
 CASES = [
     (1, 256, 128, "independent", None, "fp8"),

@@ -188,6 +188,11 @@ def test_synthetic_gpu_trace_window(tmp_path):
         ("MemcpyD2H", "", 5, 1, "no hlo_op"), ("argmax_kernel", "argmax.2", 4, 1, "unscoped"),
         ("mystery", "fusion.99", 3, 1, "not in HLO")]
     assert b.devices == ["/device:GPU:0"] and any("CUDA graphs" in n for n in b.notes)
+    # kernels by name within a component, numeric suffixes dropped: kda = 10 + 5 (in window) + 6
+    assert b.top_kernels["kda"] == [{"name": "loop_multiply_fusion", "us": 15, "count": 2},
+                                    {"name": "dot", "us": 6, "count": 1}]
+    assert pb.kernel_kind("loop_pad_fusion_84") == "loop_pad_fusion" and pb.kernel_kind("x.1_2") == "x"
+    assert "kernels by name per component" in pb.format_table(b)
     same = pb.breakdown(d, [HLO], steps=2, windows=[(100, 150), (150, 200)])
     assert same.total_us == pytest.approx(b.total_us) and same.kernels == b.kernels
 
