@@ -16,11 +16,10 @@ expert chosen only with weight 0 is not read at all.
 Design
 ------
 * XLA prologue (tiny): the M*k ids of the slots with a nonzero combine weight are deduplicated
-  into ``uniq [U]`` with the static bound U = min(M*k, E) (sorted, padded with -1; one token's slots
-  as they are), the combine
-  weights become ``wu [U, M]`` (0 for padding), x is zero-padded to ``xp [16, D]`` bf16, and (fp8)
-  the chosen experts' scales are gathered (D/128 axis minor, padded to 16 bytes) so that a
-  program's scales come in with one TMA.
+  into ``uniq [U]`` with the static bound U = min(M*k, E) (sorted, padded with -1; for one token
+  its slots as they are, zero-weight ones -1), the combine weights become ``wu [U, M]`` (0 for
+  padding), x is zero-padded to ``xp [16, D]`` bf16, and (fp8) the chosen experts' scales are
+  gathered (D/128 axis minor, padded to 16 bytes) so that a program's scales come in with one TMA.
 * bf16 weights (a static switch: no scales given) take the same kernels without the
   dequantisation: the pipeline's TMA lands each chunk directly in a swizzled SMEM tile that is
   the WGMMA A operand (no register round trip, no scale loads). Bytes per expert double.
@@ -105,7 +104,7 @@ def dedupe_experts(idx, w, n_experts: int):
     """
     M, k = idx.shape
     U = min(M * k, n_experts)
-    if M == 1:
+    if M == 1 and k <= n_experts:
         keep = w[0] != 0
         return (jnp.where(keep, idx[0].astype(jnp.int32), -1)[:U],
                 jnp.where(keep, w[0].astype(_F32), 0.0)[:U, None])

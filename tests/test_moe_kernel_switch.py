@@ -88,7 +88,8 @@ def test_decode_and_verify_logits_match(kind):
 
 
 def test_kernel_runs_only_for_decode_and_verify():
-    """The pallas model's T <= 16 forwards call the expert kernels (once per MoE layer); its T = 17 forward and the XLA model's forwards contain none."""
+    """The pallas model's T <= 16 forwards call the expert kernels (once per MoE layer); its
+    T = 17 forward and the XLA model's forwards contain none."""
     xla, pallas = models("fp8")
     ids = _ids()
     cache = pallas.init_cache(1, MAX_LEN)
