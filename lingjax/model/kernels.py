@@ -77,8 +77,8 @@ def shared_call(fn, *arrays, **settings):
     per program instead of once per layer. XLA's compile time grows with that text at every call
     site (bench.compile_scaling), which made the 42-layer programs compile for 5 minutes and more.
     arrays: positional array arguments (or None); settings: static keyword settings (hashable).
-    The numbers are those of fn called directly. One profiling cost: after inlining, every call
-    carries the name scope (profile component) of the first call site traced."""
+    The numbers are those of fn called directly, and each call keeps its call site's name scope
+    in a profile (bench.profile_breakdown on the H200 attributes the calls per layer kind)."""
     return _jitted(fn, tuple(sorted(settings)))(*arrays, **settings)
 
 
