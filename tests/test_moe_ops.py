@@ -20,7 +20,8 @@ from hypothesis import given, settings, strategies as st
 
 from helpers import rel, tiny_config
 from lingjax.model import mlp as mlp_mod
-from lingjax.ops.moe import experts_dense, experts_gather, experts_sorted_blocks, route, swiglu
+from lingjax.ops.moe import (SORT_FREE_MAX_ROWS, experts_dense, experts_gather, experts_sorted_blocks, route, swiglu,
+                             top_k_by_rank)
 
 F64 = jnp.float64
 
@@ -87,6 +88,39 @@ def test_route_matches_numpy_reference(data, n_group, per, n, seed, norm):
     assert all(len(set(row)) == top_k for row in idx)                    # no expert twice
     kept_groups = {len(set(row // per)) for row in idx}
     assert max(kept_groups) <= topk_group
+
+
+# ---- top_k_by_rank: lax.top_k without a sort --------------------------------------------------------
+@pytest.mark.parametrize("n,k", [(512, 8), (64, 2), (8, 4), (5, 5), (1, 1)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_top_k_by_rank_is_lax_top_k(n, k, dtype):
+    """Same values and indices as lax.top_k, ties to the lower index: coarse values (many ties),
+    -inf entries (a router's masked groups), rows of one value."""
+    rng = np.random.default_rng(n * 31 + k)
+    x = np.round(rng.standard_normal((9, 3, n)) * 2) / 2                  # heavy ties
+    x[0, 0, : n // 2] = -np.inf
+    x[1, 1] = 0.25                                                          # one value everywhere
+    x = jnp.asarray(x, dtype)
+    got_v, got_i = top_k_by_rank(x, k)
+    want_v, want_i = jax.lax.top_k(x, k)
+    assert got_i.dtype == jnp.int32 and got_v.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
+
+
+def test_route_row_count_switch_gives_the_same_routing():
+    """Up to SORT_FREE_MAX_ROWS tokens route by rank, more by lax.top_k: the same experts and
+    weights for the same token either way (Ling-3.0-flash router shape, spread bias)."""
+    rng = np.random.default_rng(7)
+    e, d = 512, 64
+    x = jnp.asarray(rng.standard_normal((SORT_FREE_MAX_ROWS + 4, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((d, e)) * d ** -0.5, jnp.float32)
+    bias = jnp.asarray(np.round(rng.standard_normal(e), 1), jnp.float32)   # coarse: ties in the bias
+    kw = dict(n_group=8, topk_group=4, top_k=8, norm_topk_prob=True, routed_scaling_factor=2.5)
+    big_idx, big_w = route(x, w, bias, **kw)                                  # 20 rows: lax.top_k
+    small_idx, small_w = route(x[:SORT_FREE_MAX_ROWS], w, bias, **kw)         # 16 rows: by rank
+    np.testing.assert_array_equal(np.asarray(small_idx), np.asarray(big_idx[:SORT_FREE_MAX_ROWS]))
+    np.testing.assert_array_equal(np.asarray(small_w), np.asarray(big_w[:SORT_FREE_MAX_ROWS]))
 
 
 # ---- route: crafted edge cases ------------------------------------------------------------------

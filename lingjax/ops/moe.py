@@ -40,6 +40,28 @@ def _param_like(w):
     return w if isinstance(w, (Fp8Weight, nnx.Variable)) else _Array(jnp.asarray(w))
 
 
+SORT_FREE_MAX_ROWS = 16   # routers of up to this many tokens (decode, verify) take top_k_by_rank
+
+
+def top_k_by_rank(x, k: int):
+    """jax.lax.top_k without a sort: (values, indices) [..., k], descending, ties to the lower index.
+
+    rank[i] = #{j: x[j] > x[i], or x[j] == x[i] and j < i} is a permutation of 0..n-1 and the k
+    entries of rank < k are the top k: n^2 comparisons per row, a few reductions for XLA, where
+    lax.top_k is a sort kernel (3 µs each on the H200, three per router call). For the decode /
+    verify router (n <= 512, <= 16 rows); NaN entries (never in a router's scores) break it."""
+    n = x.shape[-1]
+    i = jnp.arange(n)
+    xi, xj = x[..., :, None], x[..., None, :]
+    neg = jnp.signbit(x)                                # lax.top_k's total order puts -0.0 below +0.0
+    ni, nj = neg[..., :, None], neg[..., None, :]
+    tie = (xj == xi) & (nj == ni) & (i[None, :] < i[:, None])
+    beats = (xj > xi) | ((xj == xi) & ni & ~nj) | tie                       # [..., n, n]: j beats i
+    rank = beats.sum(-1, dtype=jnp.int32)                                   # [..., n]
+    idx = jnp.sum(jnp.where(rank[..., None, :] == jnp.arange(k)[:, None], i, 0), axis=-1, dtype=jnp.int32)
+    return jnp.take_along_axis(x, idx, axis=-1), idx
+
+
 def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int,
           norm_topk_prob: bool, routed_scaling_factor: float, expert_keep: float | None = None,
           bf16_logits: bool = False):
@@ -61,13 +83,14 @@ def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int
         s = jax.nn.sigmoid(logits)
     biased = s + expert_bias.astype(acc)
     n, e = biased.shape
+    top = top_k_by_rank if n <= SORT_FREE_MAX_ROWS else jax.lax.top_k      # same result, no sorts
     grouped = biased.reshape(n, n_group, e // n_group)
-    group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)                      # [N, G]
-    _, keep = jax.lax.top_k(group_score, topk_group)                        # [N, topk_group]
+    group_score = top(grouped, 2)[0].sum(-1)                                # [N, G]
+    _, keep = top(group_score, topk_group)                                  # [N, topk_group]
     group_mask = jax.nn.one_hot(keep, n_group, dtype=jnp.bool_).any(axis=1)  # [N, G]
     expert_mask = jnp.repeat(group_mask, e // n_group, axis=1)
     masked = jnp.where(expert_mask, biased, -jnp.inf)
-    _, idx = jax.lax.top_k(masked, top_k)
+    _, idx = top(masked, top_k)
     w = jnp.take_along_axis(s, idx, axis=1)
     if expert_keep is not None:
         idx, w = keep_top_share(idx, w, expert_keep)

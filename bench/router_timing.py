@@ -1,0 +1,83 @@
+"""The MoE router (lingjax.ops.moe.route) with lax.top_k (sorts) vs top_k_by_rank (no sort).
+
+    python -m bench.router_timing --M 1,9            # on the H200
+    python -m bench.router_timing --M 1 --iters 2     # any host (a smoke run, not a timing)
+
+Ling-3.0-flash router: x [M, 2560] bf16 @ router [2560, 512] bf16, fp32 sigmoid scores plus a
+spread bias, 8 groups (top-2 sum), 4 groups kept, top-8 experts, normalised weights. Rows per M:
+`sort` (every top-k through jax.lax.top_k, a sort kernel on the GPU) and `rank` (the model's path
+for M <= lingjax.ops.moe.SORT_FREE_MAX_ROWS: comparisons and reductions), µs per call inside one
+jitted loop (bench.common.time_in_loop, the loop's own per-call cost subtracted), and whether the
+two give the same experts and weights for the same inputs.
+"""
+from __future__ import annotations
+
+import argparse
+
+from bench.common import int_list
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.router_timing", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--M", default="1,9", help="comma list of token counts (1..16; default 1,9)")
+    ap.add_argument("--iters", type=int, default=50, help="loop iterations per timing (default 50)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    return ap
+
+
+def main(argv=None) -> dict:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    ms = int_list(ap, a.M, "--M")
+    if not ms or min(ms) < 1 or max(ms) > 16 or a.iters < 1:
+        ap.error("--M needs token counts in 1..16 and --iters >= 1")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench.common import loop_overhead, save_result, time_in_loop
+    from lingjax.config import preset
+    from lingjax.ops import moe
+
+    cfg = preset("ling3-flash")
+    d, e = cfg.hidden_size, cfg.num_experts
+    kw = dict(n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.num_experts_per_tok,
+              norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor)
+    key = jax.random.PRNGKey(a.seed)
+    kx, kw_, kb = jax.random.split(key, 3)
+    w = (jax.random.normal(kw_, (d, e), jnp.float32) * d ** -0.5).astype(jnp.bfloat16)
+    bias = jax.random.normal(kb, (e,), jnp.float32)
+    smoke = jax.default_backend() != "gpu"
+    rows = []
+    saved = moe.SORT_FREE_MAX_ROWS
+    try:
+        for m in ms:
+            x = jax.random.normal(jax.random.fold_in(kx, m), (m, d), jnp.float32).astype(jnp.bfloat16)
+            sets = [(x + i, w, bias) for i in range(4)]
+            row = {"M": m}
+            outs = {}
+            overhead = loop_overhead(sets, a.iters)
+            row["loop_overhead_us"] = overhead * 1e6
+            for name, limit in (("sort", 0), ("rank", 16)):
+                moe.SORT_FREE_MAX_ROWS = limit           # route() reads it when traced
+                f = jax.jit(lambda x, w, b: moe.route(x, w, b, **kw))
+                outs[name] = [np.asarray(o) for o in f(*sets[0])]
+                t = time_in_loop(lambda x, w, b: moe.route(x, w, b, **kw), sets, a.iters)
+                row[f"{name}_us"] = (t - overhead) * 1e6
+                row[f"{name}_raw_us"] = t * 1e6
+            row["same_routing"] = bool(all(np.array_equal(p, q) for p, q in zip(outs["sort"], outs["rank"])))
+            rows.append(row)
+            print(f"M={m:2d}: sort {row['sort_us']:6.1f} us, rank {row['rank_us']:6.1f} us per call "
+                  f"(loop overhead {row['loop_overhead_us']:.1f} us subtracted); same routing: {row['same_routing']}"
+                  + ("  [not a GPU: smoke run, not a timing]" if smoke else ""), flush=True)
+    finally:
+        moe.SORT_FREE_MAX_ROWS = saved
+    rec = {"bench": "router_timing", "iters": a.iters, "smoke": smoke, "rows": rows}
+    rec["result_path"] = str(save_result("router_timing", rec, a.out))
+    return rec
+
+
+if __name__ == "__main__":
+    main()
