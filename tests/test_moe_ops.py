@@ -20,8 +20,8 @@ from hypothesis import given, settings, strategies as st
 
 from helpers import rel, tiny_config
 from lingjax.model import mlp as mlp_mod
-from lingjax.ops.moe import (SORT_FREE_MAX_ROWS, experts_dense, experts_gather, experts_sorted_blocks, route, swiglu,
-                             top_k_by_rank)
+from lingjax.ops import moe as moe_ops
+from lingjax.ops.moe import experts_dense, experts_gather, experts_sorted_blocks, route, swiglu, top_k_by_rank
 
 F64 = jnp.float64
 
@@ -108,19 +108,20 @@ def test_top_k_by_rank_is_lax_top_k(n, k, dtype):
     np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
 
 
-def test_route_row_count_switch_gives_the_same_routing():
-    """Up to SORT_FREE_MAX_ROWS tokens route by rank, more by lax.top_k: the same experts and
-    weights for the same token either way (Ling-3.0-flash router shape, spread bias)."""
+def test_route_row_count_switch_gives_the_same_routing(monkeypatch):
+    """Up to SORT_FREE_MAX_ROWS tokens route by rank (set to 16 here), more by lax.top_k: the same
+    experts and weights for the same token either way (Ling-3.0-flash router shape, spread bias)."""
+    monkeypatch.setattr(moe_ops, "SORT_FREE_MAX_ROWS", 16)
     rng = np.random.default_rng(7)
     e, d = 512, 64
-    x = jnp.asarray(rng.standard_normal((SORT_FREE_MAX_ROWS + 4, d)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((20, d)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((d, e)) * d ** -0.5, jnp.float32)
     bias = jnp.asarray(np.round(rng.standard_normal(e), 1), jnp.float32)   # coarse: ties in the bias
     kw = dict(n_group=8, topk_group=4, top_k=8, norm_topk_prob=True, routed_scaling_factor=2.5)
     big_idx, big_w = route(x, w, bias, **kw)                                  # 20 rows: lax.top_k
-    small_idx, small_w = route(x[:SORT_FREE_MAX_ROWS], w, bias, **kw)         # 16 rows: by rank
-    np.testing.assert_array_equal(np.asarray(small_idx), np.asarray(big_idx[:SORT_FREE_MAX_ROWS]))
-    np.testing.assert_array_equal(np.asarray(small_w), np.asarray(big_w[:SORT_FREE_MAX_ROWS]))
+    small_idx, small_w = route(x[:16], w, bias, **kw)                         # 16 rows: by rank
+    np.testing.assert_array_equal(np.asarray(small_idx), np.asarray(big_idx[:16]))
+    np.testing.assert_array_equal(np.asarray(small_w), np.asarray(big_w[:16]))
 
 
 # ---- route: crafted edge cases ------------------------------------------------------------------

@@ -40,7 +40,10 @@ def _param_like(w):
     return w if isinstance(w, (Fp8Weight, nnx.Variable)) else _Array(jnp.asarray(w))
 
 
-SORT_FREE_MAX_ROWS = 16   # routers of up to this many tokens (decode, verify) take top_k_by_rank
+# Routers of up to this many tokens take top_k_by_rank instead of lax.top_k (same result). 0: off
+# until `python -m bench.router_timing` has timed both on the H200 (written in session 6, when no
+# device time was left); 16 would cover decode and verify. On the CPU the rank path is slower.
+SORT_FREE_MAX_ROWS = 0
 
 
 def top_k_by_rank(x, k: int):
