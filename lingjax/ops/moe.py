@@ -41,8 +41,8 @@ def _param_like(w):
 
 
 # Routers of up to this many tokens take top_k_by_rank instead of lax.top_k (same result). 0: off
-# until `python -m bench.router_timing` has timed both on the H200 (written in session 6, when no
-# device time was left); 16 would cover decode and verify. On the CPU the rank path is slower.
+# until `python -m bench.router_timing` shows on the H200 that it beats the sorts (not yet run);
+# 16 would cover decode and verify. On the CPU the rank path is slower.
 SORT_FREE_MAX_ROWS = 0
 
 
