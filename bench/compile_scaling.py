@@ -95,7 +95,8 @@ def main(argv=None) -> dict:
 
     if not a.lower_only and jax.default_backend() != "gpu":
         ap.error(f"compiling needs an NVIDIA Hopper GPU (backend {jax.default_backend()!r}); pass --lower-only")
-    jax.config.update("jax_enable_compilation_cache", False)
+    if not a.lower_only:                     # times real compiles, not loads from a persistent cache
+        jax.config.update("jax_enable_compilation_cache", False)
     rows = []
     for kind in kinds:
         for n in sites:

@@ -52,29 +52,25 @@ def main(argv=None) -> dict:
     bias = jax.random.normal(kb, (e,), jnp.float32)
     smoke = jax.default_backend() != "gpu"
     rows = []
-    saved = moe.SORT_FREE_MAX_ROWS
-    try:
-        for m in ms:
-            x = jax.random.normal(jax.random.fold_in(kx, m), (m, d), jnp.float32).astype(jnp.bfloat16)
-            sets = [(x + i, w, bias) for i in range(4)]
-            row = {"M": m}
-            outs = {}
-            overhead = loop_overhead(sets, a.iters)
-            row["loop_overhead_us"] = overhead * 1e6
-            for name, limit in (("sort", 0), ("rank", 16)):
-                moe.SORT_FREE_MAX_ROWS = limit           # route() reads it when traced
-                f = jax.jit(lambda x, w, b: moe.route(x, w, b, **kw))
-                outs[name] = [np.asarray(o) for o in f(*sets[0])]
-                t = time_in_loop(lambda x, w, b: moe.route(x, w, b, **kw), sets, a.iters)
-                row[f"{name}_us"] = (t - overhead) * 1e6
-                row[f"{name}_raw_us"] = t * 1e6
-            row["same_routing"] = bool(all(np.array_equal(p, q) for p, q in zip(outs["sort"], outs["rank"])))
-            rows.append(row)
-            print(f"M={m:2d}: sort {row['sort_us']:6.1f} us, rank {row['rank_us']:6.1f} us per call "
-                  f"(loop overhead {row['loop_overhead_us']:.1f} us subtracted); same routing: {row['same_routing']}"
-                  + ("  [not a GPU: smoke run, not a timing]" if smoke else ""), flush=True)
-    finally:
-        moe.SORT_FREE_MAX_ROWS = saved
+    for m in ms:
+        x = jax.random.normal(jax.random.fold_in(kx, m), (m, d), jnp.float32).astype(jnp.bfloat16)
+        sets = [(x + i, w, bias) for i in range(4)]
+        row = {"M": m}
+        outs = {}
+        overhead = loop_overhead(sets, a.iters)
+        row["loop_overhead_us"] = overhead * 1e6
+        for name, by_rank in (("sort", False), ("rank", True)):
+            def f(x, w, b, by_rank=by_rank):
+                return moe.route(x, w, b, by_rank=by_rank, **kw)
+            outs[name] = [np.asarray(o) for o in jax.jit(f)(*sets[0])]
+            t = time_in_loop(f, sets, a.iters)
+            row[f"{name}_us"] = (t - overhead) * 1e6
+            row[f"{name}_raw_us"] = t * 1e6
+        row["same_routing"] = bool(all(np.array_equal(p, q) for p, q in zip(outs["sort"], outs["rank"])))
+        rows.append(row)
+        print(f"M={m:2d}: sort {row['sort_us']:6.1f} us, rank {row['rank_us']:6.1f} us per call "
+              f"(loop overhead {row['loop_overhead_us']:.1f} us subtracted); same routing: {row['same_routing']}"
+              + ("  [not a GPU: smoke run, not a timing]" if smoke else ""), flush=True)
     rec = {"bench": "router_timing", "iters": a.iters, "smoke": smoke, "rows": rows}
     rec["result_path"] = str(save_result("router_timing", rec, a.out))
     return rec

@@ -10,7 +10,7 @@ def test_smoke_rows_agree(tmp_path):
     rec = router_timing.main(["--M", "1,3", "--iters", "1", "--out", str(tmp_path)])
     assert [r["M"] for r in rec["rows"]] == [1, 3] and rec["smoke"]
     assert all(r["same_routing"] for r in rec["rows"])
-    assert moe.SORT_FREE_MAX_ROWS == before                         # restored after the run
+    assert moe.SORT_FREE_MAX_ROWS == before                         # the bench leaves the model switch alone
 
 
 @pytest.mark.parametrize("argv", [["--M", "0"], ["--M", "17"], ["--iters", "0"]])

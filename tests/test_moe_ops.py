@@ -108,20 +108,22 @@ def test_top_k_by_rank_is_lax_top_k(n, k, dtype):
     np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
 
 
-def test_route_row_count_switch_gives_the_same_routing(monkeypatch):
-    """Up to SORT_FREE_MAX_ROWS tokens route by rank (set to 16 here), more by lax.top_k: the same
-    experts and weights for the same token either way (Ling-3.0-flash router shape, spread bias)."""
-    monkeypatch.setattr(moe_ops, "SORT_FREE_MAX_ROWS", 16)
+def test_route_by_rank_gives_the_same_routing():
+    """route(by_rank=True) and route(by_rank=False): the same experts and weights for the same
+    tokens (Ling-3.0-flash router shape, spread bias); the default follows SORT_FREE_MAX_ROWS."""
     rng = np.random.default_rng(7)
     e, d = 512, 64
     x = jnp.asarray(rng.standard_normal((20, d)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((d, e)) * d ** -0.5, jnp.float32)
     bias = jnp.asarray(np.round(rng.standard_normal(e), 1), jnp.float32)   # coarse: ties in the bias
     kw = dict(n_group=8, topk_group=4, top_k=8, norm_topk_prob=True, routed_scaling_factor=2.5)
-    big_idx, big_w = route(x, w, bias, **kw)                                  # 20 rows: lax.top_k
-    small_idx, small_w = route(x[:16], w, bias, **kw)                         # 16 rows: by rank
+    big_idx, big_w = route(x, w, bias, by_rank=False, **kw)                   # lax.top_k
+    small_idx, small_w = route(x[:16], w, bias, by_rank=True, **kw)           # by rank
     np.testing.assert_array_equal(np.asarray(small_idx), np.asarray(big_idx[:16]))
     np.testing.assert_array_equal(np.asarray(small_w), np.asarray(big_w[:16]))
+    default_idx, _ = route(x, w, bias, **kw)
+    np.testing.assert_array_equal(np.asarray(default_idx), np.asarray(big_idx))
+    assert moe_ops.SORT_FREE_MAX_ROWS < 20                                  # 20 rows: lax.top_k by default
 
 
 # ---- route: crafted edge cases ------------------------------------------------------------------

@@ -67,7 +67,7 @@ def top_k_by_rank(x, k: int):
 
 def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int,
           norm_topk_prob: bool, routed_scaling_factor: float, expert_keep: float | None = None,
-          bf16_logits: bool = False):
+          bf16_logits: bool = False, by_rank: bool | None = None):
     """Group-limited top-k routing (published BailingMoeV3 semantics).
 
     x [N, D]; w_router [D, E]; expert_bias [E]. Returns (idx [N, k] int32, weight [N, k] acc).
@@ -77,6 +77,8 @@ def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int
     times routed_scaling_factor.
     Approximate modes (off by default): bf16_logits computes logits and sigmoid in bfloat16;
     expert_keep=X keeps the heaviest experts carrying X of s before normalising (`keep_top_share`).
+    by_rank: the top-k's through `top_k_by_rank` (True) or lax.top_k (False), the same result;
+    None: by rank for at most SORT_FREE_MAX_ROWS tokens.
     """
     acc = acc_dtype(x.dtype)
     if bf16_logits:
@@ -86,7 +88,9 @@ def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int
         s = jax.nn.sigmoid(logits)
     biased = s + expert_bias.astype(acc)
     n, e = biased.shape
-    top = top_k_by_rank if n <= SORT_FREE_MAX_ROWS else jax.lax.top_k      # same result, no sorts
+    if by_rank is None:
+        by_rank = n <= SORT_FREE_MAX_ROWS
+    top = top_k_by_rank if by_rank else jax.lax.top_k                        # same result
     grouped = biased.reshape(n, n_group, e // n_group)
     group_score = top(grouped, 2)[0].sum(-1)                                # [N, G]
     _, keep = top(group_score, topk_group)                                  # [N, topk_group]
