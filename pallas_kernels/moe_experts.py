@@ -77,13 +77,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import store, swizzled
 
-__all__ = ["MAX_M", "BLOCK", "moe_experts_pallas", "dedupe_experts", "weight_bytes"]
+__all__ = ["MAX_M", "BLOCK", "moe_experts_pallas", "moe_split", "dedupe_experts", "weight_bytes"]
 
 MAX_M = 16          # tokens per call (decode or a speculative verify block); also the padded N
 BLOCK = 128         # fp8 scale block (both dims) = K chunk of every matmul
 TF = 64             # kernel 1: F columns per program (WGMMA M rows of the gate and up tiles)
 TD = 128            # kernel 2: D columns per program (WGMMA M rows)
 STAGES = 3          # TMA pipeline depth
+N_SMS = 132         # H200: the splits below aim at >= 2 programs per SM
 _BF, _F32, _FP8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
 _WG = plgpu.Layout.WGMMA
 
@@ -126,8 +127,20 @@ def _silu_clamp(g, u, limit):
     return act * u
 
 
-def _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret):
-    """Kernel 1 -> act [U, F, MAX_M] bf16 (rows of padding slots unwritten).
+def _split(programs: int, chunks: int, min_chunks: int) -> int:
+    """Programs per output tile along the reduction: the smallest divisor S of `chunks` that gives
+    >= 2 * N_SMS programs with >= min_chunks chunks each, else the largest with min_chunks (1 if
+    none). One token's 8 experts give kernel 1 only 8 x F/64 = 96 programs of D/128 = 20 chunks,
+    each a serial dequantise -> WGMMA chain: splitting the reduction shortens the chain."""
+    divs = [s for s in range(1, chunks + 1) if chunks % s == 0 and chunks // s >= min_chunks] or [1]
+    full = [s for s in divs if programs * s >= 2 * N_SMS]
+    return full[0] if full else divs[-1]
+
+
+def _gate_up(uniq, xp, w_gate_up, su_gu, limit, split, interpret):
+    """Kernel 1 -> act [U, F, MAX_M] bf16 (split == 1), or (split > 1) the partial gate and up
+    products [split, U, 2, F, MAX_M] float32 over split ranges of D, summed and SwiGLU'd by the
+    caller. Rows of padding slots are left unwritten.
 
     su_gu: the chosen experts' gate/up scales (fp8 weights) or None (bf16 weights, no dequant)."""
     E, D, _, F = w_gate_up.shape
@@ -135,16 +148,20 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret):
     fp8 = su_gu is not None
     x_tf = swizzled(BLOCK, 2)
     w_tf = swizzled(TF, 2)
+    kps = D // BLOCK // split                 # D chunks per program
+    ds = kps * BLOCK
 
     def body(uniq_g, x_g, w_g, *refs):
         if fp8:
-            s_g, act_g, wb_s, s_s, o_s, bar = refs
+            s_g, out_g, wb_s, s_s, o_s, bar = refs
         else:
-            act_g, o_s = refs
+            out_g, o_s = refs
         u = lax.axis_index("u")
         j = lax.axis_index("f")
+        p = lax.axis_index("s")
         e = uniq_g[u]
         cols = pl.ds(j * TF, TF)
+        rows = pl.ds(p * ds, ds)
 
         @pl.when(e >= 0)
         def _():
@@ -158,7 +175,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret):
                     if fp8:      # dequantise the fp8 chunks into the swizzled bf16 tiles
                         for c, src in enumerate((g_s, u_s)):
                             v = plgpu.load(src, layout=_WG, optimized=False)
-                            v = (v.astype(_F32) * s_s[c, i]).astype(_BF)
+                            v = (v.astype(_F32) * s_s[c, p * kps + i]).astype(_BF)
                             store(wb_s.at[c], v)
                         plgpu.commit_smem()
                         g_s, u_s = wb_s.at[0], wb_s.at[1]
@@ -169,42 +186,59 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret):
                 w_spec = plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=() if fp8 else w_tf)
                 plgpu.emit_pipeline(
                     step,
-                    grid=(D // BLOCK,),
+                    grid=(kps,),
                     in_specs=[w_spec, w_spec,
                               plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=x_tf)],
                     max_concurrent_steps=STAGES,
-                )(w_g.at[e, :, 0, cols], w_g.at[e, :, 1, cols], x_g)
-                return _silu_clamp(acc_g[...], acc_u[...], limit)
+                )(w_g.at[e, rows, 0, cols], w_g.at[e, rows, 1, cols], x_g.at[:, rows])
+                if split == 1:
+                    return _silu_clamp(acc_g[...], acc_u[...], limit)
+                return acc_g[...], acc_u[...]
 
-            act = pl.run_scoped(scoped, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
-            store(o_s, act.astype(_BF))
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, act_g.at[u, cols])
+            res = pl.run_scoped(scoped, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
+            if split == 1:
+                store(o_s, res.astype(_BF))
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_s, out_g.at[u, cols])
+            else:
+                for c in range(2):
+                    store(o_s.at[c], res[c])
+                plgpu.commit_smem()
+                for c in range(2):
+                    plgpu.copy_smem_to_gmem(o_s.at[c], out_g.at[p, u, c, cols])
             plgpu.wait_smem_to_gmem(0)
 
-    act_tile = plgpu.SMEM((TF, MAX_M), _BF)
+    if split == 1:
+        out_tile = plgpu.SMEM((TF, MAX_M), _BF)
+        out_type = jax.ShapeDtypeStruct((U, F, MAX_M), _BF)
+    else:
+        out_tile = plgpu.SMEM((2, TF, MAX_M), _F32)
+        out_type = jax.ShapeDtypeStruct((split, U, 2, F, MAX_M), _F32)
     scratch = (plgpu.SMEM((2, BLOCK, TF), _BF, transforms=w_tf),        # dequantised gate / up chunk
                plgpu.SMEM((2, su_gu.shape[-1]), _F32),                  # this column block's scales
-               act_tile, plgpu.Barrier(num_barriers=1)) if fp8 else (act_tile,)
+               out_tile, plgpu.Barrier(num_barriers=1)) if fp8 else (out_tile,)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((U, F, MAX_M), _BF),
+        out_type=out_type,
         scratch_types=scratch,
-        grid=(U, F // TF),
-        grid_names=("u", "f"),
+        grid=(U, F // TF, split),
+        grid_names=("u", "f", "s"),
         interpret=interpret if interpret else None,
     )
     return kernel(uniq, xp, w_gate_up, *((su_gu,) if fp8 else ()))
 
 
-def _down(uniq, act_t, w_down, su_d, interpret):
-    """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [U, D, MAX_M] float32, the unweighted per-expert
-    outputs (zeros for padding slots). su_d: scales (fp8 weights) or None (bf16 weights)."""
+def _down(uniq, act_t, w_down, su_d, split, interpret):
+    """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [split, U, D, MAX_M] float32, the unweighted
+    per-expert outputs over split ranges of F (zeros for padding slots; the caller sums the
+    splits). su_d: scales (fp8 weights) or None (bf16 weights)."""
     E, F, D = w_down.shape
     U = uniq.shape[0]
     fp8 = su_d is not None
     a_tf = swizzled(BLOCK, 2)
     w_tf = swizzled(TD, 2)
+    kps = F // BLOCK // split                 # F chunks per program
+    fs = kps * BLOCK
 
     def body(uniq_g, act_g, w_g, *refs):
         if fp8:
@@ -213,8 +247,10 @@ def _down(uniq, act_t, w_down, su_d, interpret):
             y_g, o_s = refs
         u = lax.axis_index("u")
         j = lax.axis_index("d")
+        p = lax.axis_index("s")
         e = uniq_g[u]
         cols = pl.ds(j * TD, TD)
+        rows = pl.ds(p * fs, fs)
 
         @pl.when(e >= 0)
         def _():
@@ -227,7 +263,7 @@ def _down(uniq, act_t, w_down, su_d, interpret):
                     (i,) = idxs
                     if fp8:      # dequantise the fp8 chunk into the swizzled bf16 tile
                         v = plgpu.load(w_s, layout=_WG, optimized=False)
-                        v = (v.astype(_F32) * s_s[i, (j * TD) // BLOCK]).astype(_BF)
+                        v = (v.astype(_F32) * s_s[p * kps + i, (j * TD) // BLOCK]).astype(_BF)
                         store(wb_s, v)
                         plgpu.commit_smem()
                         w_s = wb_s
@@ -236,11 +272,11 @@ def _down(uniq, act_t, w_down, su_d, interpret):
 
                 plgpu.emit_pipeline(
                     step,
-                    grid=(F // BLOCK,),
+                    grid=(kps,),
                     in_specs=[plgpu.BlockSpec((BLOCK, TD), lambda i: (i, 0), transforms=() if fp8 else w_tf),
                               plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=a_tf)],
                     max_concurrent_steps=STAGES,
-                )(w_g.at[e, :, cols], act_g.at[u])
+                )(w_g.at[e, rows, cols], act_g.at[u, :, rows])
                 return acc[...]
 
             y = pl.run_scoped(scoped, plgpu.ACC((TD, MAX_M), _F32))
@@ -251,7 +287,7 @@ def _down(uniq, act_t, w_down, su_d, interpret):
             store(o_s, plgpu.layout_cast(jnp.zeros((TD, MAX_M), _F32), _WG))
 
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, y_g.at[u, cols])
+        plgpu.copy_smem_to_gmem(o_s, y_g.at[p, u, cols])
         plgpu.wait_smem_to_gmem(0)
 
     out_tile = plgpu.SMEM((TD, MAX_M), _F32)
@@ -260,10 +296,10 @@ def _down(uniq, act_t, w_down, su_d, interpret):
                out_tile, plgpu.Barrier(num_barriers=1)) if fp8 else (out_tile,)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((U, D, MAX_M), _F32),
+        out_type=jax.ShapeDtypeStruct((split, U, D, MAX_M), _F32),
         scratch_types=scratch,
-        grid=(U, D // TD),
-        grid_names=("u", "d"),
+        grid=(U, D // TD, split),
+        grid_names=("u", "d", "s"),
         interpret=interpret if interpret else None,
     )
     return kernel(uniq, act_t, w_down, *((su_d,) if fp8 else ()))
@@ -276,13 +312,15 @@ def _pad_minor(a, mult):
 
 
 def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit=None, *,
-                       interpret=False):
+                       split_d=None, split_f=None, interpret=False):
     """Routed experts for M = 1..16 tokens; see the module docstring.
 
     x [M, D]; idx, w [M, k]; either block-fp8 weights: w_gate_up [E, D, 2, F] float8_e4m3fn +
     gu_scale [E, 2, D/128, F/128] f32, w_down [E, F, D] fp8 + down_scale [E, F/128, D/128] f32;
     or bf16 weights (streamed as they are) with gu_scale = down_scale = None. limit: optional
     SwiGLU clamp. Slots with w == 0 are skipped (`dedupe_experts`).
+    ``split_d`` / ``split_f``: programs per output tile along D (kernel 1) / F (kernel 2); must
+    divide D/128 / F/128; None = :func:`moe_split` (split when there are too few programs).
     ``interpret``: False (compile for the GPU) or a ``plgpu.InterpretGPUParams``. -> [M, D] x.dtype.
     """
     M, D = x.shape
@@ -311,6 +349,13 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
         raise ValueError(f"fp8 scales {shapes[0]}, {shapes[1]} must be {(E, 2, nd, nf)}, "
                          f"{(E, nf, nd)} (128 x 128 blocks)")
 
+    U = min(M * idx.shape[1], E)
+    auto_d, auto_f = moe_split(U, D, F)
+    split_d, split_f = split_d or auto_d, split_f or auto_f
+    if nd % split_d or nf % split_f:
+        raise ValueError(f"split_d={split_d} must divide D/128={nd} and split_f={split_f} must divide "
+                         f"F/128={nf}")
+
     uniq, wu = dedupe_experts(idx, w, E)                                # [U], [U, M]
     xp = jnp.zeros((MAX_M, D), _BF).at[:M].set(x.astype(_BF))
     su_gu = su_d = None
@@ -318,9 +363,19 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
         safe = jnp.maximum(uniq, 0)
         su_gu = _pad_minor(jnp.swapaxes(gu_scale[safe].astype(_F32), -1, -2), 4)  # [U, 2, F/128, nd+]
         su_d = _pad_minor(down_scale[safe].astype(_F32), 4)                        # [U, F/128, nd+]
-    act = _gate_up(uniq, xp, w_gate_up, su_gu, limit, interpret)                  # [U, F, MAX_M]
-    yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, interpret)           # [U, D, MAX_M]
-    return jnp.einsum("udm,um->md", yu[:, :, :M], wu).astype(x.dtype)
+    act = _gate_up(uniq, xp, w_gate_up, su_gu, limit, split_d, interpret)
+    if split_d > 1:     # [split, U, 2, F, MAX_M] partial sums -> SwiGLU in XLA (one fusion with the transpose)
+        gu = act.sum(0)
+        act = _silu_clamp(gu[:, 0], gu[:, 1], limit).astype(_BF)                # [U, F, MAX_M]
+    yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, split_f, interpret)  # [split, U, D, MAX_M]
+    return jnp.einsum("sudm,um->md", yu[..., :M], wu).astype(x.dtype)
+
+
+def moe_split(U: int, D: int, F: int) -> tuple[int, int]:
+    """Default (split_d, split_f) for U expert slots: kernel 1 splits D when U * F/64 programs are
+    too few (one token: 8 x 12 = 96 -> split 4, 5 chunks each), kernel 2 splits F the same way
+    (8 x D/128 = 160 -> 2, 3 chunks each); a 9-token verify block (~66 experts) splits neither."""
+    return (_split(U * (F // TF), D // BLOCK, 4), _split(U * (D // TD), F // BLOCK, 2))
 
 
 def weight_bytes(n_experts_used: int, D: int, F: int, fp8: bool = True) -> int:

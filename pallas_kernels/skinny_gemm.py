@@ -43,11 +43,11 @@ Design
   split_k > 1 or fp8, else out_dtype); XLA then sums the splits and transposes ``[:, :M]`` to [M, N]
   (``split_k * N * m_pad * 4`` bytes, ~1-5% of the weight bytes at the Ling shapes).
 * split_k exists because most Ling matrices have too few column tiles to fill 132 SMs (o_proj:
-  20 tiles of 128). Defaults (first guesses, to be tuned on the H200 with
-  bench/skinny_gemm_timing.py): block_n = 128, or 64 when N has fewer than 132 tiles of 128 (or N
-  is not a multiple of 128); split_k = the smallest divisor of K/128 that gives >= 264 programs
-  (two per SM) with >= 4 K tiles each, else the largest with >= 4 K tiles; stages = as many as
-  fit ~110 KiB of SMEM (so two programs can share an SM), between 2 and 8.
+  20 tiles of 128). Defaults: bf16: block_n = 128, or 64 when N has fewer than 132 tiles of 128
+  (or N is not a multiple of 128); split_k = the smallest divisor of K/128 that gives >= 264
+  programs (two per SM) with >= 4 K tiles each, else the largest with >= 4 K tiles; stages = as
+  many as fit ~110 KiB of SMEM (so two programs can share an SM), between 2 and 8. fp8 (tuned on
+  the H200, session 7): block_n = 64, 2 stages, split_k aiming at >= 528 programs (four per SM).
 
 Launches per call: the x pad/convert fusion (+ the fp8 scale transpose, [K/128, N/128] floats,
 which a caller could do once at load time), the kernel, the split-K sum / transpose fusion.
@@ -88,6 +88,12 @@ MIN_K_TILES = 4       # default split_k keeps at least this many K tiles per pro
 SMEM_TARGET = 110 * 1024   # default stages: fit two programs per SM (227 KiB)
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
 FP8_SCHEDULES = ("serial", "pair")
+# fp8 defaults from the H200 sweep (session 7, bench/skinny_gemm_timing.py --block-n 64,128
+# --split-k 1,2,4 --stages 2,4, M = 1): 2560 -> 20480 in 24.5 us at block_n 64, split 2, 2 stages
+# against 31.6 us at the earlier 128 / 2 / 4 (the serial convert -> WGMMA chain per tile gains from
+# more, smaller programs in flight, ~36 KiB of SMEM each)
+FP8_STAGES = 2
+FP8_PROGRAMS_PER_SM = 4
 X_TOP_EXP = 15        # fp8 path: each token row is scaled by a power of two to max|x| in [2**14, 2**15)
 _WG = plgpu.Layout.WGMMA
 
@@ -116,12 +122,14 @@ def skinny_gemm_config(M: int, K: int, N: int, fp8: bool, *, block_n=None, split
     m_pad = 8 if M <= 8 else MAX_M
     nk = K // BLOCK
     if block_n is None:
-        block_n = 128 if N % 128 == 0 and N // 128 >= N_SMS else 64
+        block_n = 64 if fp8 or N % 128 or N // 128 < N_SMS else 128
     nt = N // block_n
     if split_k is None:
         divs = [s for s in range(1, nk + 1) if nk % s == 0 and nk // s >= MIN_K_TILES] or [1]
-        full = [s for s in divs if nt * s >= 2 * N_SMS]
+        full = [s for s in divs if nt * s >= (FP8_PROGRAMS_PER_SM if fp8 else 2) * N_SMS]
         split_k = full[0] if full else divs[-1]
+    if stages is None and fp8:
+        stages = FP8_STAGES
     if stages is None:
         per = _smem_bytes(block_n, 1, m_pad, fp8, 0) - (BLOCK * block_n * 2 if fp8 else 0)
         fixed = _smem_bytes(block_n, 0, m_pad, fp8, nk)

@@ -23,7 +23,7 @@ from helpers import interpret_only  # noqa: E402
 from lingjax.ops.moe import experts_gather  # noqa: E402
 from lingjax.param_layout import Matrix  # noqa: E402
 from lingjax.quant import FP8, Fp8Weight  # noqa: E402
-from pallas_kernels.moe_experts import dedupe_experts, moe_experts_pallas, weight_bytes  # noqa: E402
+from pallas_kernels.moe_experts import dedupe_experts, moe_experts_pallas, moe_split, weight_bytes  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)  # jax 0.12: races raise (on_race="raise")
@@ -201,6 +201,47 @@ def test_interpret_skips_zero_weight_experts(kind):
     assert not np.asarray(out)[1].any()
 
 
+# (M, D, F, split_d, split_f, limit, kind): the reduction split over programs (partial sums added
+# in XLA); D = 512 is 4 chunks, F = 256 two; slot 1 of token 0 has weight 0 (a padding slot)
+SPLIT_CASES = [
+    (1, 512, 256, 4, 2, None, "fp8"),
+    (1, 512, 256, 2, 1, 0.02, "fp8"),
+    (3, 512, 256, 2, 2, None, "bf16"),
+    (1, 512, 256, 4, 2, 0.02, "bf16"),
+]
+
+
+@pytest.mark.parametrize("M,D,F,split_d,split_f,limit,kind", SPLIT_CASES)
+@interpret_only
+def test_interpret_split_reduction_matches(M, D, F, split_d, split_f, limit, kind):
+    """Kernel 1 split over D (SwiGLU after the partial sums, in XLA) and kernel 2 split over F
+    give the unsplit kernel's result and the reference; padding slots stay unread."""
+    E, k = 16, 4
+    weights = _weights(E, D, F, seed=3 + M + split_d, kind=kind)
+    idx, w = _routing(M, k, E, "independent", seed=M + 11)
+    w = w.at[0, 1].set(0.0)                                       # expert idx[0, 1] never read
+    x = jax.random.normal(jax.random.PRNGKey(M + 5), (M, D), F32).astype(BF16)
+    ref = _reference(x, idx, w, *weights, limit)
+    read = np.zeros(E, bool)
+    read[np.asarray(idx)[np.asarray(w) != 0]] = True
+    poisoned = _poison(jnp.asarray(~read), *weights)
+    out = moe_experts_pallas(x, idx, w, *poisoned, limit, split_d=split_d, split_f=split_f,
+                             interpret=INTERPRET)
+    out = jax.block_until_ready(out)
+    _assert_no_race_flagged()
+    _check(out, ref, 2e-2)
+    unsplit = moe_experts_pallas(x, idx, w, *poisoned, limit, split_d=1, split_f=1, interpret=INTERPRET)
+    _check(out, unsplit, 1e-2)            # only the float32 summation order and act's rounding differ
+
+
+def test_default_split_follows_program_count():
+    """One token's 8 Ling experts: kernel 1 split 4 over D (96 -> 384 programs), kernel 2 split 2
+    over F (160 -> 320); a 9-token block's ~66 experts fill the GPU unsplit."""
+    assert moe_split(8, 2560, 768) == (4, 2)
+    assert moe_split(72, 2560, 768) == (1, 1)
+    assert moe_split(16, 2560, 768) == (2, 1)
+
+
 def test_rejects_bad_inputs():
     vgu, sgu, vd, sd = _weights(4, 256, 128)
     x = jnp.zeros((17, 256), BF16)
@@ -218,6 +259,8 @@ def test_rejects_bad_inputs():
         moe_experts_pallas(x, idx, w, vgu, None, vd, None, interpret=INTERPRET)
     with pytest.raises(ValueError, match="take no scales"):
         moe_experts_pallas(x, idx, w, vgu.astype(BF16), sgu, vd.astype(BF16), sd, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="split_d=3 must divide"):
+        moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, split_d=3, interpret=INTERPRET)
     with pytest.raises(ValueError, match="multiples of 128"):
         moe_experts_pallas(x[:, :64], idx, w, vgu[:, :64].astype(BF16), None, vd[..., :64].astype(BF16), None,
                            interpret=INTERPRET)

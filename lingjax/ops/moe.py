@@ -40,10 +40,10 @@ def _param_like(w):
     return w if isinstance(w, (Fp8Weight, nnx.Variable)) else _Array(jnp.asarray(w))
 
 
-# Routers of up to this many tokens take top_k_by_rank instead of lax.top_k (same result). 0: off
-# until `python -m bench.router_timing` shows on the H200 that it beats the sorts (not yet run);
-# 16 would cover decode and verify. On the CPU the rank path is slower.
-SORT_FREE_MAX_ROWS = 0
+# Routers of up to this many tokens take top_k_by_rank instead of lax.top_k (same result): decode
+# and verify blocks. H200 (session 7, `python -m bench.router_timing --M 1,9`): the whole router
+# 16.9 vs 22.2 us per call at M = 1, 15.4 vs 18.7 at M = 9. On the CPU the rank path is slower.
+SORT_FREE_MAX_ROWS = 16
 
 
 def top_k_by_rank(x, k: int):
