@@ -23,22 +23,29 @@ Design
 * bf16 weights (a static switch: no scales given) take the same kernels without the
   dequantisation: the pipeline's TMA lands each chunk directly in a swizzled SMEM tile that is
   the WGMMA A operand (no register round trip, no scale loads). Bytes per expert double.
-* Kernel 1 (gate/up), grid ``(U, F / 64)``: program (u, j) streams expert uniq[u]'s gate and up
-  columns ``[:, j*64:(j+1)*64]`` in 128-row chunks (one fp8 scale block per chunk) through
+* Kernel 1 (gate/up), grid ``(U, F / 64, split_d)``: program (u, j, s) streams expert uniq[u]'s
+  gate and up columns ``[:, j*64:(j+1)*64]`` over the s-th of split_d ranges of D in 128-row chunks (one fp8 scale block per chunk) through
   ``plgpu.emit_pipeline`` (TMA into SMEM, 3 stages). Each chunk is dequantised in registers
   (fp8 -> f32, * block scale, -> bf16: the reference ``Fp8Weight`` dequantisation, bit for bit),
   stored to a swizzled SMEM tile and multiplied on the tensor cores with the **weight tile as A**
   (transposed SMEM operand, 64 output features as WGMMA rows) and the 16 padded tokens as B
   (the x chunk [16, 128], transposed SMEM operand): ``acc[f, m] += sum_d W[d, f] x[m, d]`` in
   fp32. SwiGLU (optional clamp) on the fp32 accumulators; ``act [U, F, 16]`` bf16 is written (the
-  reference also rounds h to bf16; here only act is rounded).
+  reference also rounds h to bf16; here only act is rounded). With split_d > 1 (one token: 8
+  experts x 12 column tiles = 96 programs of 20 serial chunks would leave most SMs idle, so
+  `moe_split` picks 4: 384 programs of 5 chunks) the programs write float32 partial gate / up
+  products and XLA sums them and applies SwiGLU in the fusion that also transposes act.
 * An XLA transpose ``act -> [U, 16, F]`` (U*F*16*2 bytes) between the kernels: WGMMA B with
   N = 16 lowers only as a transposed (K-minor) operand, and a register tile cannot be stored
   transposed (both checked by cross-lowering, jax 0.11.2 and 0.12).
-* Kernel 2 (down), grid ``(U, D / 128)``: program (u, j) streams w_down[uniq[u], :, j*128:...]
-  in 128-row chunks the same way, A = dequantised weight tile transposed (128 output rows),
+* Kernel 2 (down), grid ``(U, D / 128, split_f)``: program (u, j, s) streams the s-th F range
+  of w_down[uniq[u], :, j*128:...] in 128-row chunks the same way (split_f = 2 for one token), A = dequantised weight tile transposed (128 output rows),
   B = act chunk [16, 128] transposed; writes the fp32 per-expert output ``yu [U, D, 16]``.
-* Combine across experts: an XLA reduction ``y[m, d] = sum_u wu[u, m] * yu[u, d, m]`` (no
+* Shared expert (``shared=``, optional): one more slot, the last, whose programs read the shared
+  expert's own weight arrays ([D, 2, F], [F, D], its own SwiGLU clamp) and whose combine weight
+  is 1 for every token: the MoE layer's routed and shared experts in the same two launches,
+  summed in float32 (the model uses it when the shared expert is as wide as a routed one).
+* Combine across experts: an XLA reduction ``y[m, d] = sum_s,u wu[u, m] * yu[s, u, d, m]`` (no
   atomics: deterministic, and the extra traffic U*D*16*4 bytes is ~3% of the weight bytes).
 * Padding slots (uniq = -1) skip all their loads and matmuls (``pl.when``): only the selected
   experts' weights are read, each exactly once per call however many tokens chose it. Kernel 2
@@ -137,21 +144,26 @@ def _split(programs: int, chunks: int, min_chunks: int) -> int:
     return full[0] if full else divs[-1]
 
 
-def _gate_up(uniq, xp, w_gate_up, su_gu, limit, split, interpret):
+def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, interpret, w_shared=None):
     """Kernel 1 -> act [U, F, MAX_M] bf16 (split == 1), or (split > 1) the partial gate and up
     products [split, U, 2, F, MAX_M] float32 over split ranges of D, summed and SwiGLU'd by the
-    caller. Rows of padding slots are left unwritten.
+    caller. Rows of padding slots are left unwritten. With ``w_shared`` [D, 2, F] the last slot
+    (u = U - 1) is the shared expert, read from it instead of w_gate_up[uniq[u]].
 
-    su_gu: the chosen experts' gate/up scales (fp8 weights) or None (bf16 weights, no dequant)."""
+    su_gu: the slots' gate/up scales (fp8 weights) or None (bf16 weights, no dequant).
+    limits: (routed, shared) SwiGLU clamps."""
     E, D, _, F = w_gate_up.shape
     U = uniq.shape[0]
     fp8 = su_gu is not None
+    shared = w_shared is not None
     x_tf = swizzled(BLOCK, 2)
     w_tf = swizzled(TF, 2)
     kps = D // BLOCK // split                 # D chunks per program
     ds = kps * BLOCK
 
     def body(uniq_g, x_g, w_g, *refs):
+        if shared:
+            wsh_g, *refs = refs
         if fp8:
             s_g, out_g, wb_s, s_s, o_s, bar = refs
         else:
@@ -163,8 +175,8 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limit, split, interpret):
         cols = pl.ds(j * TF, TF)
         rows = pl.ds(p * ds, ds)
 
-        @pl.when(e >= 0)
-        def _():
+        def expert(sources, limit):
+            """Stream one expert's gate / up columns (sources: their two [ds, TF] GMEM views)."""
             if fp8:
                 plgpu.copy_gmem_to_smem(s_g.at[u, :, (j * TF) // BLOCK], s_s, bar.at[0])
                 plgpu.barrier_wait(bar.at[0])
@@ -190,7 +202,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limit, split, interpret):
                     in_specs=[w_spec, w_spec,
                               plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=x_tf)],
                     max_concurrent_steps=STAGES,
-                )(w_g.at[e, rows, 0, cols], w_g.at[e, rows, 1, cols], x_g.at[:, rows])
+                )(*sources, x_g.at[:, rows])
                 if split == 1:
                     return _silu_clamp(acc_g[...], acc_u[...], limit)
                 return acc_g[...], acc_u[...]
@@ -207,6 +219,11 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limit, split, interpret):
                 for c in range(2):
                     plgpu.copy_smem_to_gmem(o_s.at[c], out_g.at[p, u, c, cols])
             plgpu.wait_smem_to_gmem(0)
+
+        routed = (e >= 0) & (u < U - 1) if shared else e >= 0
+        pl.when(routed)(lambda: expert((w_g.at[e, rows, 0, cols], w_g.at[e, rows, 1, cols]), limits[0]))
+        if shared:
+            pl.when(u == U - 1)(lambda: expert((wsh_g.at[rows, 0, cols], wsh_g.at[rows, 1, cols]), limits[1]))
 
     if split == 1:
         out_tile = plgpu.SMEM((TF, MAX_M), _BF)
@@ -225,22 +242,26 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limit, split, interpret):
         grid_names=("u", "f", "s"),
         interpret=interpret if interpret else None,
     )
-    return kernel(uniq, xp, w_gate_up, *((su_gu,) if fp8 else ()))
+    return kernel(uniq, xp, w_gate_up, *((w_shared,) if shared else ()), *((su_gu,) if fp8 else ()))
 
 
-def _down(uniq, act_t, w_down, su_d, split, interpret):
+def _down(uniq, act_t, w_down, su_d, split, interpret, w_shared=None):
     """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [split, U, D, MAX_M] float32, the unweighted
     per-expert outputs over split ranges of F (zeros for padding slots; the caller sums the
-    splits). su_d: scales (fp8 weights) or None (bf16 weights)."""
+    splits). su_d: scales (fp8 weights) or None (bf16 weights). With ``w_shared`` [F, D] the last
+    slot is the shared expert."""
     E, F, D = w_down.shape
     U = uniq.shape[0]
     fp8 = su_d is not None
+    shared = w_shared is not None
     a_tf = swizzled(BLOCK, 2)
     w_tf = swizzled(TD, 2)
     kps = F // BLOCK // split                 # F chunks per program
     fs = kps * BLOCK
 
     def body(uniq_g, act_g, w_g, *refs):
+        if shared:
+            wsh_g, *refs = refs
         if fp8:
             s_g, y_g, wb_s, s_s, o_s, bar = refs
         else:
@@ -252,8 +273,8 @@ def _down(uniq, act_t, w_down, su_d, split, interpret):
         cols = pl.ds(j * TD, TD)
         rows = pl.ds(p * fs, fs)
 
-        @pl.when(e >= 0)
-        def _():
+        def expert(source):
+            """Stream one expert's [fs, TD] block of w_down (source: its GMEM view)."""
             if fp8:
                 plgpu.copy_gmem_to_smem(s_g.at[u], s_s, bar.at[0])
                 plgpu.barrier_wait(bar.at[0])
@@ -276,11 +297,16 @@ def _down(uniq, act_t, w_down, su_d, split, interpret):
                     in_specs=[plgpu.BlockSpec((BLOCK, TD), lambda i: (i, 0), transforms=() if fp8 else w_tf),
                               plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=a_tf)],
                     max_concurrent_steps=STAGES,
-                )(w_g.at[e, rows, cols], act_g.at[u, :, rows])
+                )(source, act_g.at[u, :, rows])
                 return acc[...]
 
             y = pl.run_scoped(scoped, plgpu.ACC((TD, MAX_M), _F32))
             store(o_s, y)
+
+        routed = (e >= 0) & (u < U - 1) if shared else e >= 0
+        pl.when(routed)(lambda: expert(w_g.at[e, rows, cols]))
+        if shared:
+            pl.when(u == U - 1)(lambda: expert(wsh_g.at[rows, cols]))
 
         @pl.when(e < 0)                      # padding slot: reads nothing, writes zeros
         def _():
@@ -302,7 +328,7 @@ def _down(uniq, act_t, w_down, su_d, split, interpret):
         grid_names=("u", "d", "s"),
         interpret=interpret if interpret else None,
     )
-    return kernel(uniq, act_t, w_down, *((su_d,) if fp8 else ()))
+    return kernel(uniq, act_t, w_down, *((w_shared,) if shared else ()), *((su_d,) if fp8 else ()))
 
 
 def _pad_minor(a, mult):
@@ -312,13 +338,16 @@ def _pad_minor(a, mult):
 
 
 def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit=None, *,
-                       split_d=None, split_f=None, interpret=False):
+                       shared=None, split_d=None, split_f=None, interpret=False):
     """Routed experts for M = 1..16 tokens; see the module docstring.
 
     x [M, D]; idx, w [M, k]; either block-fp8 weights: w_gate_up [E, D, 2, F] float8_e4m3fn +
     gu_scale [E, 2, D/128, F/128] f32, w_down [E, F, D] fp8 + down_scale [E, F/128, D/128] f32;
     or bf16 weights (streamed as they are) with gu_scale = down_scale = None. limit: optional
     SwiGLU clamp. Slots with w == 0 are skipped (`dedupe_experts`).
+    ``shared``: optional shared expert run in the same kernels as one more slot with combine
+    weight 1 for every token, ``(w_gate_up [D, 2, F], gu_scale [2, D/128, F/128] | None, w_down
+    [F, D], down_scale [F/128, D/128] | None, limit)``, the routed experts' dtype and F.
     ``split_d`` / ``split_f``: programs per output tile along D (kernel 1) / F (kernel 2); must
     divide D/128 / F/128; None = :func:`moe_split` (split when there are too few programs).
     ``interpret``: False (compile for the GPU) or a ``plgpu.InterpretGPUParams``. -> [M, D] x.dtype.
@@ -349,7 +378,17 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
         raise ValueError(f"fp8 scales {shapes[0]}, {shapes[1]} must be {(E, 2, nd, nf)}, "
                          f"{(E, nf, nd)} (128 x 128 blocks)")
 
-    U = min(M * idx.shape[1], E)
+    if shared is not None:
+        sh_gu, sh_gu_scale, sh_d, sh_d_scale, sh_limit = shared
+        if sh_gu.shape != (D, 2, F) or sh_d.shape != (F, D) or sh_gu.dtype != w_gate_up.dtype \
+                or sh_d.dtype != w_down.dtype:
+            raise ValueError(f"shared expert weights {sh_gu.shape} {sh_gu.dtype}, {sh_d.shape} {sh_d.dtype} must "
+                             f"be [D, 2, F] = {(D, 2, F)} and [F, D] in the routed experts' dtype {w_gate_up.dtype}")
+        if fp8 != (sh_gu_scale is not None) or fp8 != (sh_d_scale is not None) or (fp8 and (
+                sh_gu_scale.shape != (2, nd, nf) or sh_d_scale.shape != (nf, nd))):
+            raise ValueError(f"shared expert scales must be {(2, nd, nf)} and {(nf, nd)} for fp8 weights, "
+                             "None for bfloat16 weights")
+    U = min(M * idx.shape[1], E) + (shared is not None)
     auto_d, auto_f = moe_split(U, D, F)
     split_d, split_f = split_d or auto_d, split_f or auto_f
     if nd % split_d or nf % split_f:
@@ -357,17 +396,29 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
                          f"F/128={nf}")
 
     uniq, wu = dedupe_experts(idx, w, E)                                # [U], [U, M]
+    if shared is not None:   # the last slot: the shared expert (id 0: only "not padding"), weight 1
+        uniq = jnp.concatenate([uniq, jnp.zeros((1,), jnp.int32)])
+        wu = jnp.concatenate([wu, jnp.ones((1, M), _F32)])
     xp = jnp.zeros((MAX_M, D), _BF).at[:M].set(x.astype(_BF))
     su_gu = su_d = None
-    if fp8:          # the chosen experts' scales, D/128 axis minor, padded to 16 bytes
+    if fp8:          # the slots' scales, D/128 axis minor, padded to 16 bytes
         safe = jnp.maximum(uniq, 0)
-        su_gu = _pad_minor(jnp.swapaxes(gu_scale[safe].astype(_F32), -1, -2), 4)  # [U, 2, F/128, nd+]
-        su_d = _pad_minor(down_scale[safe].astype(_F32), 4)                        # [U, F/128, nd+]
-    act = _gate_up(uniq, xp, w_gate_up, su_gu, limit, split_d, interpret)
+        gs, ds_ = gu_scale[safe].astype(_F32), down_scale[safe].astype(_F32)
+        if shared is not None:
+            gs = gs.at[-1].set(sh_gu_scale.astype(_F32))
+            ds_ = ds_.at[-1].set(sh_d_scale.astype(_F32))
+        su_gu = _pad_minor(jnp.swapaxes(gs, -1, -2), 4)                  # [U, 2, F/128, nd+]
+        su_d = _pad_minor(ds_, 4)                                        # [U, F/128, nd+]
+    limits = (limit, limit if shared is None else sh_limit)
+    w_sh = (None, None) if shared is None else (sh_gu, sh_d)
+    act = _gate_up(uniq, xp, w_gate_up, su_gu, limits, split_d, interpret, w_sh[0])
     if split_d > 1:     # [split, U, 2, F, MAX_M] partial sums -> SwiGLU in XLA (one fusion with the transpose)
         gu = act.sum(0)
-        act = _silu_clamp(gu[:, 0], gu[:, 1], limit).astype(_BF)                # [U, F, MAX_M]
-    yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, split_f, interpret)  # [split, U, D, MAX_M]
+        act = _silu_clamp(gu[:, 0], gu[:, 1], limits[0])                         # [U, F, MAX_M]
+        if limits[1] != limits[0]:
+            act = act.at[-1].set(_silu_clamp(gu[-1, 0], gu[-1, 1], limits[1]))
+        act = act.astype(_BF)
+    yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, split_f, interpret, w_sh[1])  # [split, U, D, MAX_M]
     return jnp.einsum("sudm,um->md", yu[..., :M], wu).astype(x.dtype)
 
 

@@ -26,12 +26,14 @@ from lingjax.engine import Engine
 from lingjax.generate import build_parser
 from lingjax.loader import LoadError, load_engine
 from lingjax.model.ling import LingModel
-from lingjax.model.mlp import MoE, set_moe_kernel
+from lingjax.model.mlp import MoE, set_moe_kernel, shared_kernel_weights
 from lingjax.quant import Fp8Weight, quantize_model
 from lingjax.spec_decode import SpecConfig
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 CFG = tiny_config(moe_intermediate_size=128)   # F = 32 -> 128: the kernel's tile constraint
+# the shared expert as wide as a routed one: it joins the expert kernels as one more slot
+CFG_SHARED = tiny_config(moe_intermediate_size=128, moe_shared_expert_intermediate_size=128)
 PROMPT = 20      # > 16 tokens: prefill stays on XLA with both switches
 VERIFY = 9       # a speculative verify block
 MAX_LEN = 64
@@ -46,8 +48,11 @@ def _moes(model):
 def models(kind: str):
     """(xla, pallas) twins with the same weights. kind: 'fp8' (float32 model, block-fp8 weights by
     lingjax.quant.quantize_model), 'bf16_experts' (float32 model whose routed expert weights are
-    bfloat16), 'bf16' (bfloat16 model)."""
-    xla = random_model(CFG, dtype=BF16 if kind == "bf16" else F32, seed=0, with_mtp=True)
+    bfloat16), 'bf16' (bfloat16 model); a '_shared' suffix: CFG_SHARED (the shared expert runs
+    in the expert kernels) instead of CFG (its shared expert, F = 32, runs on its own)."""
+    cfg = CFG_SHARED if kind.endswith("_shared") else CFG
+    kind = kind.removesuffix("_shared")
+    xla = random_model(cfg, dtype=BF16 if kind == "bf16" else F32, seed=0, with_mtp=True)
     if kind == "fp8":
         quantize_model(xla)
     elif kind == "bf16_experts":
@@ -77,7 +82,7 @@ def runs(kind: str):
     return out
 
 
-@pytest.mark.parametrize("kind", ["fp8", "bf16_experts"])
+@pytest.mark.parametrize("kind", ["fp8", "bf16_experts", "fp8_shared"])
 def test_decode_and_verify_logits_match(kind):
     x, p = runs(kind)
     np.testing.assert_array_equal(p["prefill"], x["prefill"])      # prefill is XLA on both
@@ -85,6 +90,17 @@ def test_decode_and_verify_logits_match(kind):
     assert rel(p["decode"], x["decode"]) <= TOL
     assert rel(p["verify"], x["verify"]) <= TOL
     assert rel(p["verify"][0], p["decode"][0]) <= TOL               # same token, T = 9 vs T = 1
+
+
+def test_shared_expert_joins_the_kernel_only_when_it_fits():
+    """CFG_SHARED (shared F = routed F, both fp8 or both bf16): every MoE layer hands its shared
+    expert to the expert kernels; CFG (shared F = 32) and float32 shared weights next to bf16
+    experts keep it on its own."""
+    for kind, joins in (("fp8_shared", True), ("bf16_shared", True), ("fp8", False), ("bf16_experts", False)):
+        moes = _moes(models(kind)[1])
+        got = {shared_kernel_weights(m.shared, m.w_gate_up, m.cfg.moe_intermediate_size) is not None
+               for m in moes}
+        assert got == {joins}, kind
 
 
 def test_kernel_runs_only_for_decode_and_verify():
@@ -105,7 +121,8 @@ def test_kernel_runs_only_for_decode_and_verify():
     assert n_kernels(xla, ids[:, PROMPT:PROMPT + 1]) == 0
 
 
-def test_bf16_model_verify():
+@pytest.mark.parametrize("kind", ["bf16", "bf16_shared"])
+def test_bf16_model_verify(kind):
     """bfloat16 model, a 9-token verify block: the kernel's logits are finite and its first MoE
     layer's output matches XLA's; then every MoE layer is run alone on the same bf16 inputs (the
     XLA model's residual stream before it, post-normed) and must be no farther from the float32
@@ -113,8 +130,8 @@ def test_bf16_model_verify():
     inputs, because through the whole model a near-tie in a later layer's random router sends a
     position to other experts on either bf16 path (on the H200 that put the kernel's logits at
     1.5x XLA's distance from float32 in a whole-model comparison)."""
-    xla, pallas = models("bf16")
-    ref = random_model(CFG, dtype=F32, seed=0, with_mtp=True)
+    xla, pallas = models(kind)
+    ref = random_model(CFG_SHARED if kind.endswith("_shared") else CFG, dtype=F32, seed=0, with_mtp=True)
     nnx.update(ref, jax.tree.map(lambda v: v.astype(F32), nnx.state(xla)))
     ids = _ids()
     first_moe = next(i for i, layer in enumerate(xla.layers) if isinstance(layer.mlp, MoE))
@@ -140,12 +157,13 @@ def test_bf16_model_verify():
     assert checked == len(_moes(xla)) - 1                       # every MoE layer of the main model (not MTP)
 
 
-def test_engine_greedy_mtp_tokens_match():
+@pytest.mark.parametrize("kind", ["fp8", "fp8_shared"])
+def test_engine_greedy_mtp_tokens_match(kind):
     """The whole speculative decode loop (on-device while loop: MTP draft with T = 1, pending
     verify with T = 3, commit) on both expert kernels, fp8 weights, greedy."""
     prompt = [int(t) for t in _ids()[0, :PROMPT]]
     toks = []
-    for model in models("fp8"):
+    for model in models(kind):
         with kernel_mode():
             toks.append(Engine(model, spec=SpecConfig("mtp", 2)).generate(prompt, max_tokens=6).token_ids)
     assert toks[0] == toks[1] and len(toks[0]) == 6

@@ -234,6 +234,54 @@ def test_interpret_split_reduction_matches(M, D, F, split_d, split_f, limit, kin
     _check(out, unsplit, 1e-2)            # only the float32 summation order and act's rounding differ
 
 
+# (M, split_d, split_f, limit, shared_limit, kind): the shared expert as the kernels' last slot
+SHARED_CASES = [
+    (1, None, None, None, None, "fp8"),
+    (1, 4, 2, 0.02, 0.05, "fp8"),
+    (3, 1, 1, 0.02, None, "fp8"),
+    (3, 2, 2, None, 0.05, "bf16"),
+]
+
+
+@pytest.mark.parametrize("M,split_d,split_f,limit,shared_limit,kind", SHARED_CASES)
+@interpret_only
+def test_interpret_shared_expert_slot(M, split_d, split_f, limit, shared_limit, kind):
+    """shared=: the shared expert runs as one more slot of both kernels with weight 1 for every
+    token (its own SwiGLU clamp), equal to the routed experts plus the shared expert computed as
+    a separate expert; the routed experts' unselected weights stay unread."""
+    E, k, D, F = 16, 4, 512, 256
+    vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=21 + M, kind=kind)     # expert E: the shared one
+    idx, w = _routing(M, k, E, "independent", seed=M + 2)
+    x = jax.random.normal(jax.random.PRNGKey(M + 9), (M, D), F32).astype(BF16)
+    routed = tuple(None if a is None else a[:E] for a in (vgu, sgu, vd, sd))
+    ref = _reference(x, idx, w, *routed, limit)
+    only_shared = (jnp.full((M, 1), E, jnp.int32), jnp.ones((M, 1), F32))
+    ref = ref + _reference(x, *only_shared, vgu, sgu, vd, sd, shared_limit)
+    read = np.zeros(E, bool)
+    read[np.asarray(idx).ravel()] = True
+    shared = (vgu[E], None if sgu is None else sgu[E], vd[E], None if sd is None else sd[E], shared_limit)
+    out = moe_experts_pallas(x, idx, w, *_poison(jnp.asarray(~read), *routed), limit, shared=shared,
+                             split_d=split_d, split_f=split_f, interpret=INTERPRET)
+    out = jax.block_until_ready(out)
+    _assert_no_race_flagged()
+    assert out.shape == (M, D)
+    _check(out, ref, 2e-2)
+    if limit != shared_limit:           # the clamps differ where it matters: swapping them shows
+        swapped = _reference(x, idx, w, *routed, limit) + _reference(x, *only_shared, vgu, sgu, vd, sd, limit)
+        assert np.abs(np.asarray(swapped) - np.asarray(ref)).max() > 0.05 * np.abs(np.asarray(ref)).max()
+
+
+def test_shared_expert_checks():
+    vgu, sgu, vd, sd = _weights(4, 256, 128)
+    x, idx, w = jnp.zeros((1, 256), BF16), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), F32)
+    with pytest.raises(ValueError, match="shared expert weights"):
+        moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, shared=(vgu[0, :128], sgu[0], vd[0], sd[0], None),
+                           interpret=INTERPRET)
+    with pytest.raises(ValueError, match="shared expert scales"):
+        moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, shared=(vgu[0], None, vd[0], sd[0], None),
+                           interpret=INTERPRET)
+
+
 def test_default_split_follows_program_count():
     """One token's 8 Ling experts: kernel 1 split 4 over D (96 -> 384 programs), kernel 2 split 2
     over F (160 -> 320); a 9-token block's ~66 experts fill the GPU unsplit."""
@@ -292,6 +340,20 @@ def test_cross_lowers_for_cuda_ling_shape(M, limit, kind):
     assert text.count("mosaic_gpu") >= 2                     # both kernels are Mosaic GPU calls
 
 
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("M", [1, 9])
+def test_cross_lowers_for_cuda_with_shared_expert(M, kind):
+    args = _ling_abstract(M, kind)
+    D, F = LING["D"], LING["F"]
+    S = jax.ShapeDtypeStruct
+    dt = FP8 if kind == "fp8" else BF16
+    sh = (S((D, 2, F), dt), S((2, D // 128, F // 128), F32) if kind == "fp8" else None,
+          S((F, D), dt), S((F // 128, D // 128), F32) if kind == "fp8" else None)
+    f = jax.jit(lambda *a: moe_experts_pallas(*a[:7], limit=7.0, shared=(*a[7:], 5.0)))
+    text = f.trace(*args, *sh).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2
+
+
 # ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
 @gpu_only
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
@@ -306,6 +368,24 @@ def test_gpu_ling_shape_matches_experts_gather(M, mode, kind):
     ref = jax.jit(_reference)(x, idx, w, *weights)
     _check(out, ref, 2e-2)
     _check(out, jax.jit(_reference, static_argnames=("limit", "dtype"))(x, idx, w, *weights, dtype=F32), 2e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("M", [1, 9])
+def test_gpu_ling_shape_shared_expert(M, kind):
+    """The shared expert as the kernels' last slot (expert E of E + 1 random ones), own clamp."""
+    E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
+    vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=2, kind=kind)
+    routed = tuple(None if a is None else a[:E] for a in (vgu, sgu, vd, sd))
+    shared = (vgu[E], None if sgu is None else sgu[E], vd[E], None if sd is None else sd[E], 5.0)
+    idx, w = _routing(M, k, E, "independent", seed=M)
+    x = jax.random.normal(jax.random.PRNGKey(M), (M, D), F32).astype(BF16)
+    out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared))(x, idx, w, *routed)
+    ref_fn = jax.jit(_reference, static_argnames=("limit", "dtype"))
+    ref = ref_fn(x, idx, w, *routed, limit=7.0) + ref_fn(
+        x, jnp.full((M, 1), E, jnp.int32), jnp.ones((M, 1), F32), vgu, sgu, vd, sd, limit=5.0)
+    _check(out, ref, 2e-2)
 
 
 @gpu_only

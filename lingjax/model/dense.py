@@ -19,7 +19,8 @@ leading axes contracted with the input):
     GatedMLA    q_a, q_b, q_proj, kv_a, dense [H, V, D]   (kv_b, used in the absorbed attention
                 einsums and the prefill expansion, stays on XLA)
     DenseMLP    w_gate_up [D, 2, F] (one GEMM to 2*F), w_down [F, D]  (dense layers and the MoE
-                shared expert)
+                shared expert; with moe_kernel='pallas' a shared expert as wide as the routed
+                ones runs inside the expert kernels instead: lingjax/model/mlp.py)
     LingModel   lm_head [D, V] (float32 logits; argmax / sampling stay in XLA)
     MTPLayer    eh_proj [2D, D]
 

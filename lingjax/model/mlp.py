@@ -5,10 +5,14 @@ The routed experts run on one of two kernels (``moe_kernel``, XLA by default):
            experts_sorted_blocks above.
   "pallas" the Mosaic GPU expert kernel (pallas_kernels/moe_experts.py) for calls of at most
            16 tokens (decode, a speculative verify block); prefill stays on XLA, and so does the
-           router (the shared expert, a DenseMLP, follows ``dense_kernel``: lingjax/model/dense.py).
+           router (a shared expert that cannot join the kernel, a DenseMLP, follows
+           ``dense_kernel``: lingjax/model/dense.py).
            Streams block-fp8 (Fp8Weight, 128 x 128 blocks) or bfloat16 expert weights, each chosen
            expert once per call, and skips slots whose combine weight is 0
-           (ApproxModes.expert_keep). Computes in bf16 with float32
+           (ApproxModes.expert_keep). The shared expert joins the same kernels as one more
+           slot with weight 1 when it has the routed experts' intermediate size and weight kind
+           (`shared_kernel_weights`; Ling-3.0-flash: yes), so routed + shared are summed in float32
+           and rounded once. Computes in bf16 with float32
            accumulation whatever the model dtype (a float32 model's fp8 weights dequantise to
            bf16, not f32). Needs an NVIDIA Hopper GPU, hidden and expert intermediate sizes that
            are multiples of 128, and a bfloat16 / float32 model; float32 (unquantised) expert
@@ -87,16 +91,54 @@ def set_moe_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
     return model
 
 
-def _pallas_experts(xf, idx, w, w_gate_up, w_down, limit):
-    """moe_experts_pallas on the MoE's weights: compiled on a GPU, interpreted inside
+_SHARED_GU_VIEW, _SHARED_DOWN_VIEW = Matrix((1,), (0,), (2,)), Matrix((), (0,), (1,))
+
+
+def shared_kernel_weights(shared: "DenseMLP", w_gate_up, intermediate: int):
+    """(w_gate_up [D, 2, F], gu_scale | None, w_down [F, D], down_scale | None) of the shared
+    expert for the expert kernel's extra slot, or None when it cannot join it: its intermediate
+    size differs from the routed experts' F, or its weights are not of the routed experts' kind
+    (both 128 x 128 block-fp8 in the published layout, or both bfloat16). A static rule: such a
+    shared expert runs on its own (DenseMLP), the same math in separate calls."""
+    gu, d = shared.w_gate_up, shared.w_down
+    if isinstance(w_gate_up, Fp8Weight):
+        ok = all(isinstance(a, Fp8Weight) and a.block == (moe_experts.BLOCK,) * 2 and a.view == v
+                 for a, v in ((gu, _SHARED_GU_VIEW), (d, _SHARED_DOWN_VIEW)))
+        if not ok or gu.values.get_value().shape[-1] != intermediate:
+            return None
+        return (gu.values.get_value(), gu.scale_inv.get_value(), d.values.get_value(), d.scale_inv.get_value())
+    if isinstance(gu, Fp8Weight) or isinstance(d, Fp8Weight):
+        return None
+    gu, d = gu.get_value(), d.get_value()
+    if gu.dtype != jnp.bfloat16 or d.dtype != jnp.bfloat16 or gu.shape[-1] != intermediate:
+        return None
+    return gu, None, d, None
+
+
+def _pallas_experts(xf, idx, w, w_gate_up, w_down, limit, shared=None):
+    """moe_experts_pallas on the MoE's weights (and the shared expert's: ``shared``, the tuple of
+    `shared_kernel_weights` + its clamp): compiled on a GPU, interpreted inside
     lingjax.model.kernels.pallas_interpret() (CPU tests)."""
     interpret = kernels.interpret_arg("moe_kernel")
     if kernels.current_mesh() is not None:
         raise ValueError("moe_kernel='pallas' is not split over devices (no shard_map over the experts); "
                          "use moe_kernel='xla' on a device mesh")
     gu, gu_scale, d, d_scale = expert_kernel_weights(w_gate_up, w_down)
-    return kernels.shared_call(moe_experts.moe_experts_pallas, xf, idx, w, gu, gu_scale, d, d_scale,
-                               limit=limit, interpret=interpret)
+    if shared is None:
+        return kernels.shared_call(moe_experts.moe_experts_pallas, xf, idx, w, gu, gu_scale, d, d_scale,
+                                   limit=limit, interpret=interpret)
+    *sh, sh_limit = shared
+    return kernels.shared_call(_experts_and_shared, xf, idx, w, gu, gu_scale, d, d_scale, *sh,
+                               limit=limit, shared_limit=sh_limit, interpret=interpret)
+
+
+def _experts_and_shared(x, idx, w, gu, gu_scale, d, d_scale, sh_gu, sh_gu_scale, sh_d, sh_d_scale, *,
+                        limit, shared_limit, interpret):
+    """moe_experts_pallas with the shared expert's arrays as positional arguments (shared_call's
+    keyword settings are static)."""
+    return moe_experts.moe_experts_pallas(x, idx, w, gu, gu_scale, d, d_scale, limit,
+                                          shared=(sh_gu, sh_gu_scale, sh_d, sh_d_scale, shared_limit),
+                                          interpret=interpret)
 
 
 class DenseMLP(nnx.Module):
@@ -152,6 +194,11 @@ class MoE(nnx.Module):
                                routed_scaling_factor=cfg.routed_scaling_factor,
                                expert_keep=self.approx.expert_keep, bf16_logits=self.approx.bf16_router_head)
         if self.moe_kernel == "pallas" and b * t <= moe_experts.MAX_M:
+            sh = shared_kernel_weights(self.shared, self.w_gate_up, cfg.moe_intermediate_size)
+            if sh is not None:      # routed + shared experts in one pair of kernels
+                y = _pallas_experts(xf, idx, w, self.w_gate_up, self.w_down, self.limit,
+                                    shared=(*sh, self.shared.swiglu_limit))
+                return y.reshape(b, t, d)
             routed = _pallas_experts(xf, idx, w, self.w_gate_up, self.w_down, self.limit)
         else:
             experts = moe_ops.experts_gather if b * t < MOE_GATHER_MAX_TOKENS else moe_ops.experts_sorted_blocks
