@@ -403,10 +403,11 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     su_gu = su_d = None
     if fp8:          # the slots' scales, D/128 axis minor, padded to 16 bytes
         safe = jnp.maximum(uniq, 0)
-        gs, ds_ = gu_scale[safe].astype(_F32), down_scale[safe].astype(_F32)
-        if shared is not None:
-            gs = gs.at[-1].set(sh_gu_scale.astype(_F32))
-            ds_ = ds_.at[-1].set(sh_d_scale.astype(_F32))
+        if shared is None:
+            gs, ds_ = gu_scale[safe].astype(_F32), down_scale[safe].astype(_F32)
+        else:            # concatenated, not .at[-1].set: an update in place costs XLA a buffer copy
+            gs = jnp.concatenate([gu_scale[safe[:-1]], sh_gu_scale[None]]).astype(_F32)
+            ds_ = jnp.concatenate([down_scale[safe[:-1]], sh_d_scale[None]]).astype(_F32)
         su_gu = _pad_minor(jnp.swapaxes(gs, -1, -2), 4)                  # [U, 2, F/128, nd+]
         su_d = _pad_minor(ds_, 4)                                        # [U, F/128, nd+]
     limits = (limit, limit if shared is None else sh_limit)
@@ -416,7 +417,7 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
         gu = act.sum(0)
         act = _silu_clamp(gu[:, 0], gu[:, 1], limits[0])                         # [U, F, MAX_M]
         if limits[1] != limits[0]:
-            act = act.at[-1].set(_silu_clamp(gu[-1, 0], gu[-1, 1], limits[1]))
+            act = jnp.concatenate([act[:-1], _silu_clamp(gu[-1:, 0], gu[-1:, 1], limits[1])])
         act = act.astype(_BF)
     yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, split_f, interpret, w_sh[1])  # [split, U, D, MAX_M]
     return jnp.einsum("sudm,um->md", yu[..., :M], wu).astype(x.dtype)
