@@ -24,13 +24,17 @@ Design
   dequantisation: the pipeline's TMA lands each chunk directly in a swizzled SMEM tile that is
   the WGMMA A operand (no register round trip, no scale loads). Bytes per expert double.
 * Kernel 1 (gate/up), grid ``(U, F / 64, split_d)``: program (u, j, s) streams expert uniq[u]'s
-  gate and up columns ``[:, j*64:(j+1)*64]`` over the s-th of split_d ranges of D in 128-row chunks (one fp8 scale block per chunk) through
-  ``plgpu.emit_pipeline`` (TMA into SMEM, 3 stages). Each chunk is dequantised in registers
-  (fp8 -> f32, * block scale, -> bf16: the reference ``Fp8Weight`` dequantisation, bit for bit),
-  stored to a swizzled SMEM tile and multiplied on the tensor cores with the **weight tile as A**
-  (transposed SMEM operand, 64 output features as WGMMA rows) and the 16 padded tokens as B
-  (the x chunk [16, 128], transposed SMEM operand): ``acc[f, m] += sum_d W[d, f] x[m, d]`` in
-  fp32. SwiGLU (optional clamp) on the fp32 accumulators; ``act [U, F, 16]`` bf16 is written (the
+  gate and up columns ``[:, j*64:(j+1)*64]`` over the s-th of split_d ranges of D in 128-row
+  chunks (one fp8 scale block per chunk) through ``plgpu.emit_pipeline`` (TMA into SMEM, 3
+  stages), multiplied on the tensor cores with the **weight tile as A** (transposed SMEM operand,
+  64 output features as WGMMA rows) and the 16 padded tokens as B (the x chunk [16, 128],
+  transposed SMEM operand): ``acc[f, m] += sum_d W[d, f] x[m, d]`` in fp32. fp8 chunks (swizzled
+  TMA tiles) are converted to **float16** in registers (exact: sm_90 converts e4m3 -> f16 in
+  hardware, two values per instruction), stored to a swizzled f16 tile and multiplied into a
+  fresh accumulator that the chunk's block scale then weights into a float32 carry (as in
+  skinny_gemm); the tokens are f16 too, each row of x scaled in XLA by a power of two that puts
+  its max |x| in [2**14, 2**15) and undone on the carries: the float32 product of x_bf16 and the
+  exact dequantised weight (the reference rounds ``w * scale`` to bf16 first). SwiGLU (optional clamp) on the fp32 accumulators; ``act [U, F, 16]`` bf16 is written (the
   reference also rounds h to bf16; here only act is rounded). With split_d > 1 (one token: 8
   experts x 12 column tiles = 96 programs of 20 serial chunks would leave most SMs idle, so
   `moe_split` picks 4: 384 programs of 5 chunks) the programs write float32 partial gate / up
@@ -39,7 +43,9 @@ Design
   N = 16 lowers only as a transposed (K-minor) operand, and a register tile cannot be stored
   transposed (both checked by cross-lowering, jax 0.11.2 and 0.12).
 * Kernel 2 (down), grid ``(U, D / 128, split_f)``: program (u, j, s) streams the s-th F range
-  of w_down[uniq[u], :, j*128:...] in 128-row chunks the same way (split_f = 2 for one token), A = dequantised weight tile transposed (128 output rows),
+  of w_down[uniq[u], :, j*128:...] in 128-row chunks (split_f = 2 for one token); fp8 chunks are
+  dequantised in registers (fp8 -> f32, * block scale, -> bf16: the reference ``Fp8Weight``
+  dequantisation, bit for bit) into a swizzled bf16 tile, A = dequantised weight tile transposed (128 output rows),
   B = act chunk [16, 128] transposed; writes the fp32 per-expert output ``yu [U, D, 16]``.
 * Shared expert (``shared=``, optional): one more slot, the last, whose programs read the shared
   expert's own weight arrays ([D, 2, F], [F, D], its own SwiGLU clamp) and whose combine weight
@@ -92,7 +98,8 @@ TF = 64             # kernel 1: F columns per program (WGMMA M rows of the gate 
 TD = 128            # kernel 2: D columns per program (WGMMA M rows)
 STAGES = 3          # TMA pipeline depth
 N_SMS = 132         # H200: the splits below aim at >= 2 programs per SM
-_BF, _F32, _FP8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
+_BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
+X_TOP_EXP = 15      # fp8 kernel 1: each token row is scaled by a power of two to max|x| in [2**14, 2**15)
 _WG = plgpu.Layout.WGMMA
 
 
@@ -144,13 +151,17 @@ def _split(programs: int, chunks: int, min_chunks: int) -> int:
     return full[0] if full else divs[-1]
 
 
-def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, interpret, w_shared=None):
+def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, interpret, w_shared=None, x_scale=None):
     """Kernel 1 -> act [U, F, MAX_M] bf16 (split == 1), or (split > 1) the partial gate and up
     products [split, U, 2, F, MAX_M] float32 over split ranges of D, summed and SwiGLU'd by the
-    caller. Rows of padding slots are left unwritten. With ``w_shared`` [D, 2, F] the last slot
-    (u = U - 1) is the shared expert, read from it instead of w_gate_up[uniq[u]].
+    caller (fp8: still to be multiplied by x_scale per token). Rows of padding slots are left
+    unwritten. With ``w_shared`` [D, 2, F] the last slot (u = U - 1) is the shared expert, read
+    from it instead of w_gate_up[uniq[u]].
 
-    su_gu: the slots' gate/up scales (fp8 weights) or None (bf16 weights, no dequant).
+    bf16 weights (su_gu None): xp [MAX_M, D] bf16, the tiles go to the WGMMA as they land.
+    fp8 weights: xp [MAX_M, D] float16, each token row scaled by a power of two (x_scale [MAX_M]
+    float32 undoes it); su_gu the slots' block scales; each fp8 tile is converted to f16 (exact)
+    and multiplied into a fresh accumulator that its block scale then weights (module docstring).
     limits: (routed, shared) SwiGLU clamps."""
     E, D, _, F = w_gate_up.shape
     U = uniq.shape[0]
@@ -160,12 +171,13 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, interpret, w_shared=None
     w_tf = swizzled(TF, 2)
     kps = D // BLOCK // split                 # D chunks per program
     ds = kps * BLOCK
+    col = _WG.reduce(0)                       # [MAX_M] per-token vectors
 
     def body(uniq_g, x_g, w_g, *refs):
         if shared:
             wsh_g, *refs = refs
         if fp8:
-            s_g, out_g, wb_s, s_s, o_s, bar = refs
+            s_g, xs_g, out_g, wb_s, s_s, xs_s, o_s, bar = refs
         else:
             out_g, o_s = refs
         u = lax.axis_index("u")
@@ -174,42 +186,57 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, interpret, w_shared=None
         e = uniq_g[u]
         cols = pl.ds(j * TF, TF)
         rows = pl.ds(p * ds, ds)
+        x_spec = plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=x_tf)
 
-        def expert(sources, limit):
-            """Stream one expert's gate / up columns (sources: their two [ds, TF] GMEM views)."""
-            if fp8:
-                plgpu.copy_gmem_to_smem(s_g.at[u, :, (j * TF) // BLOCK], s_s, bar.at[0])
-                plgpu.barrier_wait(bar.at[0])
-
+        def stream_bf16(sources):
             def scoped(acc_g, acc_u):
-                def step(idxs, g_s, u_s, x_s):
-                    (i,) = idxs
-                    if fp8:      # dequantise the fp8 chunks into the swizzled bf16 tiles
-                        for c, src in enumerate((g_s, u_s)):
-                            v = plgpu.load(src, layout=_WG, optimized=False)
-                            v = (v.astype(_F32) * s_s[c, p * kps + i]).astype(_BF)
-                            store(wb_s.at[c], v)
-                        plgpu.commit_smem()
-                        g_s, u_s = wb_s.at[0], wb_s.at[1]
+                def step(_, g_s, u_s, x_s):
                     plgpu.wgmma(acc_g, g_s.T, x_s.T)
                     plgpu.wgmma(acc_u, u_s.T, x_s.T)
                     plgpu.wgmma_wait(0)
 
-                w_spec = plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=() if fp8 else w_tf)
-                plgpu.emit_pipeline(
-                    step,
-                    grid=(kps,),
-                    in_specs=[w_spec, w_spec,
-                              plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=x_tf)],
-                    max_concurrent_steps=STAGES,
-                )(*sources, x_g.at[:, rows])
-                if split == 1:
-                    return _silu_clamp(acc_g[...], acc_u[...], limit)
+                w_spec = plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=w_tf)
+                plgpu.emit_pipeline(step, grid=(kps,), in_specs=[w_spec, w_spec, x_spec],
+                                    max_concurrent_steps=STAGES)(*sources, x_g.at[:, rows])
                 return acc_g[...], acc_u[...]
 
-            res = pl.run_scoped(scoped, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
+            return pl.run_scoped(scoped, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
+
+        def stream_fp8(sources):
+            plgpu.copy_gmem_to_smem(s_g.at[u, :, (j * TF) // BLOCK], s_s, bar.at[0])
+            plgpu.barrier_wait(bar.at[0])
+
+            def step(idxs, g8_s, u8_s, x_s, carry):
+                (i,) = idxs
+                for c, src in enumerate((g8_s, u8_s)):       # e4m3 -> f16 is exact
+                    wb_s.at[c][...] = plgpu.load(src, layout=_WG).astype(_F16)
+                plgpu.commit_smem()
+
+                def mma(acc_g, acc_u):
+                    plgpu.wgmma(acc_g, wb_s.at[0].T, x_s.T)
+                    plgpu.wgmma(acc_u, wb_s.at[1].T, x_s.T)
+                    plgpu.wgmma_wait(0)
+                    return acc_g[...], acc_u[...]
+
+                pg, pu = pl.run_scoped(mma, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
+                k = p * kps + i
+                return carry[0] + pg * s_s[0, k], carry[1] + pu * s_s[1, k]
+
+            w_spec = plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=swizzled(TF, 1))
+            zero = plgpu.layout_cast(jnp.zeros((TF, MAX_M), _F32), _WG)
+            return plgpu.emit_pipeline(step, grid=(kps,), in_specs=[w_spec, w_spec, x_spec],
+                                       max_concurrent_steps=STAGES,
+                                       init_carry=(zero, zero))(*sources, x_g.at[:, rows])
+
+        def expert(sources, limit):
+            """Stream one expert's gate / up columns (sources: their two [ds, TF] GMEM views)."""
+            res = stream_fp8(sources) if fp8 else stream_bf16(sources)
             if split == 1:
-                store(o_s, res.astype(_BF))
+                g, up = res
+                if fp8:              # undo the tokens' power-of-two scaling (per column)
+                    xs = plgpu.load(xs_s, layout=col)[None, :]
+                    g, up = g * xs, up * xs
+                store(o_s, _silu_clamp(g, up, limit).astype(_BF))
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_s, out_g.at[u, cols])
             else:
@@ -220,6 +247,9 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, interpret, w_shared=None
                     plgpu.copy_smem_to_gmem(o_s.at[c], out_g.at[p, u, c, cols])
             plgpu.wait_smem_to_gmem(0)
 
+        if fp8 and split == 1:
+            plgpu.copy_gmem_to_smem(xs_g, xs_s, bar.at[1])
+            plgpu.barrier_wait(bar.at[1])
         routed = (e >= 0) & (u < U - 1) if shared else e >= 0
         pl.when(routed)(lambda: expert((w_g.at[e, rows, 0, cols], w_g.at[e, rows, 1, cols]), limits[0]))
         if shared:
@@ -231,9 +261,10 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, interpret, w_shared=None
     else:
         out_tile = plgpu.SMEM((2, TF, MAX_M), _F32)
         out_type = jax.ShapeDtypeStruct((split, U, 2, F, MAX_M), _F32)
-    scratch = (plgpu.SMEM((2, BLOCK, TF), _BF, transforms=w_tf),        # dequantised gate / up chunk
+    scratch = (plgpu.SMEM((2, BLOCK, TF), _F16, transforms=w_tf),       # f16 gate / up chunk
                plgpu.SMEM((2, su_gu.shape[-1]), _F32),                  # this column block's scales
-               out_tile, plgpu.Barrier(num_barriers=1)) if fp8 else (out_tile,)
+               plgpu.SMEM((MAX_M,), _F32),                              # the tokens' x scales
+               out_tile, plgpu.Barrier(num_barriers=2)) if fp8 else (out_tile,)
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
@@ -242,7 +273,8 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, interpret, w_shared=None
         grid_names=("u", "f", "s"),
         interpret=interpret if interpret else None,
     )
-    return kernel(uniq, xp, w_gate_up, *((w_shared,) if shared else ()), *((su_gu,) if fp8 else ()))
+    return kernel(uniq, xp, w_gate_up, *((w_shared,) if shared else ()),
+                  *((su_gu, x_scale) if fp8 else ()))
 
 
 def _down(uniq, act_t, w_down, su_d, split, interpret, w_shared=None):
@@ -283,7 +315,7 @@ def _down(uniq, act_t, w_down, su_d, split, interpret, w_shared=None):
                 def step(idxs, w_s, a_s):
                     (i,) = idxs
                     if fp8:      # dequantise the fp8 chunk into the swizzled bf16 tile
-                        v = plgpu.load(w_s, layout=_WG, optimized=False)
+                        v = plgpu.load(w_s, layout=_WG)                   # swizzled fp8 tile
                         v = (v.astype(_F32) * s_s[p * kps + i, (j * TD) // BLOCK]).astype(_BF)
                         store(wb_s, v)
                         plgpu.commit_smem()
@@ -294,7 +326,8 @@ def _down(uniq, act_t, w_down, su_d, split, interpret, w_shared=None):
                 plgpu.emit_pipeline(
                     step,
                     grid=(kps,),
-                    in_specs=[plgpu.BlockSpec((BLOCK, TD), lambda i: (i, 0), transforms=() if fp8 else w_tf),
+                    in_specs=[plgpu.BlockSpec((BLOCK, TD), lambda i: (i, 0),
+                                              transforms=swizzled(TD, 1) if fp8 else w_tf),
                               plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=a_tf)],
                     max_concurrent_steps=STAGES,
                 )(source, act_g.at[u, :, rows])
@@ -399,7 +432,16 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     if shared is not None:   # the last slot: the shared expert (id 0: only "not padding"), weight 1
         uniq = jnp.concatenate([uniq, jnp.zeros((1,), jnp.int32)])
         wu = jnp.concatenate([wu, jnp.ones((1, M), _F32)])
-    xp = jnp.zeros((MAX_M, D), _BF).at[:M].set(x.astype(_BF))
+    xb = x.astype(_BF)
+    x_scale = None
+    if fp8:          # kernel 1 multiplies f16: each token row scaled into f16's range (skinny_gemm)
+        xf = xb.astype(_F32)
+        _, ex = jnp.frexp(jnp.max(jnp.abs(xf), axis=1))                    # [M]
+        ex = jnp.where(jnp.isfinite(xf).all(axis=1), ex, 0)
+        xp = jnp.zeros((MAX_M, D), _F16).at[:M].set(jnp.ldexp(xf, (X_TOP_EXP - ex)[:, None]).astype(_F16))
+        x_scale = jnp.zeros((MAX_M,), _F32).at[:M].set(jnp.ldexp(jnp.ones((M,), _F32), ex - X_TOP_EXP))
+    else:
+        xp = jnp.zeros((MAX_M, D), _BF).at[:M].set(xb)
     su_gu = su_d = None
     if fp8:          # the slots' scales, D/128 axis minor, padded to 16 bytes
         safe = jnp.maximum(uniq, 0)
@@ -412,9 +454,9 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
         su_d = _pad_minor(ds_, 4)                                        # [U, F/128, nd+]
     limits = (limit, limit if shared is None else sh_limit)
     w_sh = (None, None) if shared is None else (sh_gu, sh_d)
-    act = _gate_up(uniq, xp, w_gate_up, su_gu, limits, split_d, interpret, w_sh[0])
+    act = _gate_up(uniq, xp, w_gate_up, su_gu, limits, split_d, interpret, w_sh[0], x_scale)
     if split_d > 1:     # [split, U, 2, F, MAX_M] partial sums -> SwiGLU in XLA (one fusion with the transpose)
-        gu = act.sum(0)
+        gu = act.sum(0) if x_scale is None else act.sum(0) * x_scale
         act = _silu_clamp(gu[:, 0], gu[:, 1], limits[0])                         # [U, F, MAX_M]
         if limits[1] != limits[0]:
             act = jnp.concatenate([act[:-1], _silu_clamp(gu[-1:, 0], gu[-1:, 1], limits[1])])

@@ -37,6 +37,11 @@ CFG_SHARED = tiny_config(moe_intermediate_size=128, moe_shared_expert_intermedia
 PROMPT = 20      # > 16 tokens: prefill stays on XLA with both switches
 VERIFY = 9       # a speculative verify block
 MAX_LEN = 64
+# Random weights put some routers on near-ties: with seed 0 the XLA model's own layer 4 turns a 0.3%
+# input perturbation into a 16% output change (session 7), so any kernel that rounds differently
+# from XLA (the fp8 expert kernel multiplies the exact dequantised weight, XLA a bf16-rounded one)
+# fails a whole-model tolerance there; seeds 2 and 3 have no such tie (decode / verify 3-5e-3).
+SEED = 2
 TOL = 2e-2       # float32 model: the kernel rounds x and the SwiGLU output to bf16 (observed ~5e-3)
 
 
@@ -52,7 +57,7 @@ def models(kind: str):
     in the expert kernels) instead of CFG (its shared expert, F = 32, runs on its own)."""
     cfg = CFG_SHARED if kind.endswith("_shared") else CFG
     kind = kind.removesuffix("_shared")
-    xla = random_model(cfg, dtype=BF16 if kind == "bf16" else F32, seed=0, with_mtp=True)
+    xla = random_model(cfg, dtype=BF16 if kind == "bf16" else F32, seed=SEED, with_mtp=True)
     if kind == "fp8":
         quantize_model(xla)
     elif kind == "bf16_experts":
@@ -131,7 +136,7 @@ def test_bf16_model_verify(kind):
     position to other experts on either bf16 path (on the H200 that put the kernel's logits at
     1.5x XLA's distance from float32 in a whole-model comparison)."""
     xla, pallas = models(kind)
-    ref = random_model(CFG_SHARED if kind.endswith("_shared") else CFG, dtype=F32, seed=0, with_mtp=True)
+    ref = random_model(CFG_SHARED if kind.endswith("_shared") else CFG, dtype=F32, seed=SEED, with_mtp=True)
     nnx.update(ref, jax.tree.map(lambda v: v.astype(F32), nnx.state(xla)))
     ids = _ids()
     first_moe = next(i for i, layer in enumerate(xla.layers) if isinstance(layer.mlp, MoE))
