@@ -66,9 +66,11 @@ M = 9 with random routing ~ 67 distinct experts ~ 395 MB -> 92 us. bf16: twice t
 
 Status: runs on the H200 (jax 0.11.2): its GPU tests pass at the Ling shape (M in {1, 9, 16},
 independent / shared experts, the SwiGLU clamp, zero-weight slots; tests/test_pallas_moe_experts.py).
-In-loop time without the XLA prologue (bench/moe_kernel_timing.py, docs/PERFORMANCE.md): bf16
-M=1 35 us (63% of 4.3 TB/s), M=9 207 us (90%); fp8 M=1 42 us (26%), M=9 175 us (53%): the fp8
-path is bound by the on-chip conversion, not by memory. On CPU (CI): interpret mode with race
+In-loop time (bench/moe_kernel_timing.py, docs/PERFORMANCE.md): bf16 M=1 35 us (63% of 4.3
+TB/s), M=9 207 us (90%; session 4, without the XLA prologue); fp8 (session 7, prologue included,
+f16 gate/up tiles, split reductions at M=1) M=1 45 us (24%), M=9 182 us (51%): not memory-bound;
+neither the split nor the f16 tiles moved the M=9 time much, so the serial per-chunk chain
+(convert, store, fence, WGMMA, wait) with ~2 programs per SM is the suspect. On CPU (CI): interpret mode with race
 detection against ``experts_gather`` (unselected experts and experts chosen only with weight 0
 poisoned with NaN) and cross-lowering for CUDA at the Ling shape. Tile sizes and
 pipeline depth are first guesses (bf16 could take longer K chunks); per chunk the

@@ -56,9 +56,10 @@ Status: runs on the H200 (jax 0.11.2): its GPU tests pass at the Ling shapes, M 
 bf16 and fp8 (tests/test_pallas_skinny_gemm.py). In-loop time (bench/skinny_gemm_timing.py,
 docs/PERFORMANCE.md): bf16 lm_head 97% of 4.3 TB/s, bf16 2560 -> 20480 75-80%, o_proj 52-60%;
 fp8 25-69%: the serial per-tile convert -> store -> WGMMA -> wait chain, not memory, sets the
-fp8 time. ``fp8_schedule='pair'`` overlaps half the conversions with a WGMMA (interpret mode with
-race detection and CUDA cross-lowering pass on CPU, jax 0.11.2 and 0.12; not yet compiled or timed
-on the H200, so the model keeps 'serial').
+fp8 time; smaller programs, more of them in flight (the session-7 fp8 defaults) brought the KDA
+input projection from 31.6 to 24.5 us (50%). ``fp8_schedule='pair'`` overlaps half the
+conversions with a WGMMA; its GPU tests pass on the H200 but it was not faster (session 6: 35.0
+vs 31.6 us), so the model keeps 'serial'.
 On CPU (CI): interpret mode with race detection against :func:`skinny_gemm_reference` and
 cross-lowering for CUDA at the Ling shapes. Per tile the (fp8) dequantisation, the WGMMA and its wait run back to back; only the
 TMA loads are pipelined. No persistent / stream-K schedule: wave quantisation is handled only by
