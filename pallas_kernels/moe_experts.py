@@ -34,8 +34,9 @@ Design
   fresh accumulator that the chunk's block scale then weights into a float32 carry (as in
   skinny_gemm); the tokens are f16 too, each row of x scaled in XLA by a power of two that puts
   its max |x| in [2**14, 2**15) and undone on the carries: the float32 product of x_bf16 and the
-  exact dequantised weight (the reference rounds ``w * scale`` to bf16 first). SwiGLU (optional clamp) on the fp32 accumulators; ``act [U, F, 16]`` bf16 is written (the
-  reference also rounds h to bf16; here only act is rounded). With split_d > 1 (one token: 8
+  exact dequantised weight (the reference rounds ``w * scale`` to bf16 first). SwiGLU (optional
+  clamp) on the fp32 accumulators; ``act [U, F, 16]`` bf16 is written (the reference also
+  rounds h to bf16; here only act is rounded). With split_d > 1 (one token: 8
   experts x 12 column tiles = 96 programs of 20 serial chunks would leave most SMs idle, so
   `moe_split` picks 4: 384 programs of 5 chunks) the programs write float32 partial gate / up
   products and XLA sums them and applies SwiGLU in the fusion that also transposes act.
@@ -45,8 +46,8 @@ Design
 * Kernel 2 (down), grid ``(U, D / 128, split_f)``: program (u, j, s) streams the s-th F range
   of w_down[uniq[u], :, j*128:...] in 128-row chunks (split_f = 2 for one token); fp8 chunks are
   dequantised in registers (fp8 -> f32, * block scale, -> bf16: the reference ``Fp8Weight``
-  dequantisation, bit for bit) into a swizzled bf16 tile, A = dequantised weight tile transposed (128 output rows),
-  B = act chunk [16, 128] transposed; writes the fp32 per-expert output ``yu [U, D, 16]``.
+  dequantisation, bit for bit) into a swizzled bf16 tile; A = that tile transposed (128 output
+  rows), B = act chunk [16, 128] transposed; writes the fp32 per-expert output ``yu [U, D, 16]``.
 * Shared expert (``shared=``, optional): one more slot, the last, whose programs read the shared
   expert's own weight arrays ([D, 2, F], [F, D], its own SwiGLU clamp) and whose combine weight
   is 1 for every token: the MoE layer's routed and shared experts in the same two launches,
@@ -70,8 +71,8 @@ In-loop time (bench/moe_kernel_timing.py, docs/PERFORMANCE.md): bf16 M=1 35 us (
 TB/s), M=9 207 us (90%; session 4, without the XLA prologue); fp8 (session 7, prologue included,
 f16 gate/up tiles, split reductions at M=1) M=1 45 us (24%), M=9 182 us (51%): not memory-bound;
 neither the split nor the f16 tiles moved the M=9 time much, so the serial per-chunk chain
-(convert, store, fence, WGMMA, wait) with ~2 programs per SM is the suspect. On CPU (CI): interpret mode with race
-detection against ``experts_gather`` (unselected experts and experts chosen only with weight 0
+(convert, store, fence, WGMMA, wait) with ~2 programs per SM is the suspect. On CPU (CI):
+interpret mode with race detection against ``experts_gather`` (unselected experts and experts chosen only with weight 0
 poisoned with NaN) and cross-lowering for CUDA at the Ling shape. Tile sizes and
 pipeline depth are first guesses (bf16 could take longer K chunks); per chunk the
 dequantisation, the WGMMA and its wait run back to back (only the TMA loads are pipelined).
@@ -426,7 +427,7 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     U = min(M * idx.shape[1], E) + (shared is not None)
     auto_d, auto_f = moe_split(U, D, F)
     split_d, split_f = split_d or auto_d, split_f or auto_f
-    if nd % split_d or nf % split_f:
+    if split_d < 1 or split_f < 1 or nd % split_d or nf % split_f:
         raise ValueError(f"split_d={split_d} must divide D/128={nd} and split_f={split_f} must divide "
                          f"F/128={nf}")
 

@@ -309,6 +309,8 @@ def test_rejects_bad_inputs():
         moe_experts_pallas(x, idx, w, vgu.astype(BF16), sgu, vd.astype(BF16), sd, interpret=INTERPRET)
     with pytest.raises(ValueError, match="split_d=3 must divide"):
         moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, split_d=3, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="split_f=-1 must divide"):
+        moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, split_f=-1, interpret=INTERPRET)
     with pytest.raises(ValueError, match="multiples of 128"):
         moe_experts_pallas(x[:, :64], idx, w, vgu[:, :64].astype(BF16), None, vd[..., :64].astype(BF16), None,
                            interpret=INTERPRET)
