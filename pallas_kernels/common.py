@@ -1,7 +1,10 @@
 """Small helpers the Mosaic GPU kernels share (jax 0.11.2 and 0.12 differences kept here)."""
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+X_TOP_EXP = 15   # f16 token rows: each scaled by a power of two to max|x| in [2**14, 2**15)
 
 
 def swizzled(minor_elems: int, itemsize: int = 2):
@@ -16,3 +19,17 @@ def store(ref, x):
         plgpu.store(ref, x, optimized=False)
     else:                                # jax 0.11: `ref[...] =` falls back when needed
         ref[...] = x
+
+
+def f16_rows(x, rows: int):
+    """Tokens for an f16 WGMMA operand next to e4m3 weights (sm_90 converts e4m3 -> f16 in
+    hardware, not -> bf16). x [M, K] (used as bf16), M <= rows -> (xp [rows, K] float16, e [M]
+    int32): row m is x_bf16[m] * 2**(X_TOP_EXP - e[m]), e[m] the exponent of its max |x| (0 for
+    a row with inf / nan), so every bf16 value above ~2**-28 * max|x| is exact in f16; rows past
+    M are zeros. A product computed from row m is undone by ``2**(e[m] - X_TOP_EXP)``."""
+    M, K = x.shape
+    xf = x.astype(jnp.bfloat16).astype(jnp.float32)
+    _, e = jnp.frexp(jnp.max(jnp.abs(xf), axis=1))
+    e = jnp.where(jnp.isfinite(xf).all(axis=1), e, 0)
+    xs = jnp.ldexp(xf, (X_TOP_EXP - e)[:, None]).astype(jnp.float16)
+    return jnp.zeros((rows, K), jnp.float16).at[:M].set(xs), e

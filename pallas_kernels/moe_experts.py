@@ -91,7 +91,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import store, swizzled
+from pallas_kernels.common import X_TOP_EXP, f16_rows, store, swizzled
 
 __all__ = ["MAX_M", "BLOCK", "moe_experts_pallas", "moe_split", "dedupe_experts", "weight_bytes"]
 
@@ -102,7 +102,6 @@ TD = 128            # kernel 2: D columns per program (WGMMA M rows)
 STAGES = 3          # TMA pipeline depth
 N_SMS = 132         # H200: the splits below aim at >= 2 programs per SM
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
-X_TOP_EXP = 15      # fp8 kernel 1: each token row is scaled by a power of two to max|x| in [2**14, 2**15)
 _WG = plgpu.Layout.WGMMA
 
 
@@ -435,16 +434,12 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     if shared is not None:   # the last slot: the shared expert (id 0: only "not padding"), weight 1
         uniq = jnp.concatenate([uniq, jnp.zeros((1,), jnp.int32)])
         wu = jnp.concatenate([wu, jnp.ones((1, M), _F32)])
-    xb = x.astype(_BF)
     x_scale = None
-    if fp8:          # kernel 1 multiplies f16: each token row scaled into f16's range (skinny_gemm)
-        xf = xb.astype(_F32)
-        _, ex = jnp.frexp(jnp.max(jnp.abs(xf), axis=1))                    # [M]
-        ex = jnp.where(jnp.isfinite(xf).all(axis=1), ex, 0)
-        xp = jnp.zeros((MAX_M, D), _F16).at[:M].set(jnp.ldexp(xf, (X_TOP_EXP - ex)[:, None]).astype(_F16))
+    if fp8:          # kernel 1 multiplies f16 tokens, each row scaled into f16's range
+        xp, ex = f16_rows(x, MAX_M)
         x_scale = jnp.zeros((MAX_M,), _F32).at[:M].set(jnp.ldexp(jnp.ones((M,), _F32), ex - X_TOP_EXP))
     else:
-        xp = jnp.zeros((MAX_M, D), _BF).at[:M].set(xb)
+        xp = jnp.zeros((MAX_M, D), _BF).at[:M].set(x.astype(_BF))
     su_gu = su_d = None
     if fp8:          # the slots' scales, D/128 axis minor, padded to 16 bytes
         safe = jnp.maximum(uniq, 0)

@@ -77,7 +77,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import store, swizzled
+from pallas_kernels.common import X_TOP_EXP, f16_rows, store, swizzled
 
 __all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "SkinnyConfig", "skinny_gemm_config", "skinny_gemm_pallas",
            "skinny_gemm_reference", "weight_bytes"]
@@ -95,7 +95,6 @@ FP8_SCHEDULES = ("serial", "pair")
 # more, smaller programs in flight, ~36 KiB of SMEM each)
 FP8_STAGES = 2
 FP8_PROGRAMS_PER_SM = 4
-X_TOP_EXP = 15        # fp8 path: each token row is scaled by a power of two to max|x| in [2**14, 2**15)
 _WG = plgpu.Layout.WGMMA
 
 
@@ -314,14 +313,7 @@ def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=N
     xb = x.astype(_BF)
     s_t = None
     if fp8:
-        # f16 operands (sm_90 converts e4m3 -> f16 in hardware, not -> bf16): each token row is
-        # scaled by 2**(X_TOP_EXP - e), e = exponent of its max |x|, so the bf16 values land in
-        # f16's normal range exactly (entries below ~2**-28 * max|x| lose bits); undone below.
-        xf = xb.astype(_F32)
-        _, e = jnp.frexp(jnp.max(jnp.abs(xf), axis=1))                 # [M] int
-        e = jnp.where(jnp.isfinite(xf).all(axis=1), e, 0)
-        xs = jnp.ldexp(xf, (X_TOP_EXP - e)[:, None]).astype(_F16)
-        xp = jnp.zeros((cfg.m_pad, K), _F16).at[:M].set(xs)
+        xp, e = f16_rows(xb, cfg.m_pad)       # f16 tokens, each row scaled by 2**(X_TOP_EXP - e)
         # scales as [N blocks, K blocks]: a program's scales are one row, padded to 16 bytes
         s_t = jnp.swapaxes(scale.astype(_F32), 0, 1)
         s_t = jnp.pad(s_t, ((0, 0), (0, -nk % 4))) if nk % 4 else s_t
