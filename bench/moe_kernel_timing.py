@@ -1,6 +1,7 @@
 """Routed-expert MoE kernel (pallas_kernels/moe_experts.py) vs experts_gather, fp8 or bf16 weights.
 
     python -m bench.moe_kernel_timing --M 1,9 [--weights fp8|bf16] [--iters 50] [--out-dir DIR]
+    python -m bench.moe_kernel_timing --M 1,9 --shared --stages 2,3,4 --split-d 1,2,4 --no-gather  # sweep
     python -m bench.moe_kernel_timing --interpret --M 1,3 --E 16 --D 256 --F 128 --k 4 --iters 1  # CPU smoke
 
 Shape (default Ling-3.0-flash): E=512 experts, D=2560, F=768, top-k 8; --weights fp8 (default):
@@ -18,11 +19,16 @@ bytes = weights (+ fp8 scales) of the distinct chosen experts (what each must re
 loop_bytes = their mean over the 4 draws; pct_4p3 = loop_bytes / loop time / 4.3 TB/s (the H200's
 copy bandwidth, the targets' yardstick), pct_copy = the same against the copy bandwidth measured
 in-process (bench.batch1.measure_copy_bandwidth). max_abs_err / ref_max: kernel vs gather.
+--split-d / --split-f / --stages: one row per combination of the listed overrides (the record's
+`tiling`; the gather row is timed once per M, with the first combination). --shared: the shared
+expert (expert E of E + 1 made) joins as the kernels' last slot; gather adds it as one more
+expert with weight 1 per token.
 Writes bench/results/moe_kernel_timing-*.json (or --out-dir) via bench.common.save_result.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 from bench.common import int_list, loop_timing, time_rows
@@ -44,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls per row (first compiles)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-gather", action="store_true", help="skip the experts_gather row")
+    ap.add_argument("--split-d", default="", help="comma list of kernel-1 split overrides (default: moe_split)")
+    ap.add_argument("--split-f", default="", help="comma list of kernel-2 split overrides (default: moe_split)")
+    ap.add_argument("--stages", default="", help="comma list of pipeline-depth overrides (default: 3)")
+    ap.add_argument("--shared", action="store_true",
+                    help="with a shared expert as one more slot (as the model runs Ling-3.0-flash); its "
+                         "weights are one more random expert, its bytes are counted")
     ap.add_argument("--interpret", action="store_true",
                     help="Mosaic GPU interpret mode (CPU smoke; times meaningless)")
     ap.add_argument("--out-dir", default=None, help="result directory (default bench/results)")
@@ -80,7 +92,9 @@ def make_weights(E, D, F, seed, kind="fp8"):
 LOOP_DRAWS = 4      # routing draws the loop cycles through (different experts: no L2 reuse)
 
 
-def run_M(M, a, weights, interpret, copy_bw) -> dict:
+def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True) -> dict:
+    """One row: M tokens, kernel `tiling` overrides ({split_d, split_f, stages}); weights from
+    make_weights (E + 1 experts with --shared: the last one is the shared expert)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -88,7 +102,13 @@ def run_M(M, a, weights, interpret, copy_bw) -> dict:
     from lingjax.param_layout import Matrix
     from lingjax.quant import Fp8Weight
     from pallas_kernels.moe_experts import moe_experts_pallas, weight_bytes
+    tiling = tiling or {}
     vgu, sgu, vd, sd = weights
+    shared = None
+    if a.shared:          # the last of the E + 1 made experts is the shared one
+        shared = (vgu[a.E], None if sgu is None else sgu[a.E], vd[a.E], None if sd is None else sd[a.E], a.limit)
+        vgu, vd = vgu[:a.E], vd[:a.E]
+        sgu, sd = (None, None) if sgu is None else (sgu[:a.E], sd[:a.E])
     rng = np.random.default_rng(a.seed + M)
 
     def draw(j):
@@ -98,16 +118,23 @@ def run_M(M, a, weights, interpret, copy_bw) -> dict:
         return x, idx, w
     draws = [draw(j) for j in range(LOOP_DRAWS)]
     x, idx, w = draws[0]
-    used = [int(np.unique(np.asarray(d[1])).size) for d in draws]
+    used = [int(np.unique(np.asarray(d[1])).size) + a.shared for d in draws]
     n_used = used[0]
     fp8 = a.weights == "fp8"
     rec = {"M": M, "E": a.E, "D": a.D, "F": a.F, "k": a.k, "weights": a.weights, "limit": a.limit,
-           "n_experts_used": n_used, "bytes": weight_bytes(n_used, a.D, a.F, fp8=fp8)}
+           "shared": a.shared, "tiling": tiling, "n_experts_used": n_used,
+           "bytes": weight_bytes(n_used, a.D, a.F, fp8=fp8)}
     rec["floor_us"] = rec["bytes"] / copy_bw * 1e6
-    kern_fn = lambda *xs: moe_experts_pallas(*xs, limit=a.limit, interpret=interpret)
+    kern_fn = lambda *xs: moe_experts_pallas(*xs, limit=a.limit, shared=shared, interpret=interpret, **tiling)
     kern = jax.jit(kern_fn)
 
     def gather_fn(x, idx, w, vgu, sgu, vd, sd):     # weights are arguments, not jit constants
+        if shared is not None:                       # the shared expert as expert E, weight 1
+            vgu, vd = (jnp.concatenate([a_, b_[None]]) for a_, b_ in ((vgu, shared[0]), (vd, shared[2])))
+            if fp8:
+                sgu, sd = (jnp.concatenate([a_, b_[None]]) for a_, b_ in ((sgu, shared[1]), (sd, shared[3])))
+            idx = jnp.concatenate([idx, jnp.full((idx.shape[0], 1), a.E, idx.dtype)], axis=1)
+            w = jnp.concatenate([w, jnp.ones((w.shape[0], 1), w.dtype)], axis=1)
         fgu, fd = vgu, vd                            # bf16: plain arrays
         if fp8:
             bf = jnp.bfloat16
@@ -118,7 +145,7 @@ def run_M(M, a, weights, interpret, copy_bw) -> dict:
         return experts_gather(x, idx, w, fgu, fd, a.limit)
 
     gather = jax.jit(gather_fn)
-    fns = [("kernel", kern_fn)] + ([] if a.no_gather else [("gather", gather_fn)])
+    fns = [("kernel", kern_fn)] + ([] if a.no_gather or not gather_row else [("gather", gather_fn)])
     args = (x, idx, w, vgu, sgu, vd, sd)
     for name, (med, piped) in time_rows([(n, jax.jit(f), args) for n, f in fns], a.iters, a.warmup,
                                         rec).items():
@@ -153,12 +180,16 @@ def main(argv=None) -> dict:
     backend = jax.default_backend()
     interpret = kernel_interpret(ap, a, "the kernel")
     copy_bw = measure_copy_bandwidth((1024 if backend == "gpu" else 8) << 20)
-    weights = make_weights(a.E, a.D, a.F, a.seed, a.weights)
+    grids = {k: int_list(ap, v, "--" + k.replace("_", "-")) or [None]
+             for k, v in (("split_d", a.split_d), ("split_f", a.split_f), ("stages", a.stages))}
+    tilings = [{k: v for k, v in zip(grids, combo) if v is not None} for combo in itertools.product(*grids.values())]
+    weights = make_weights(a.E + a.shared, a.D, a.F, a.seed, a.weights)
     results = []
-    for M in Ms:
-        rec = run_M(M, a, weights, interpret, copy_bw)
+    for M, (n_tiling, tiling) in itertools.product(Ms, enumerate(tilings)):
+        rec = run_M(M, a, weights, interpret, copy_bw, tiling, gather_row=n_tiling == 0)
         results.append(rec)
-        line = f"M={M}: {rec['n_experts_used']} experts, {rec['bytes'] / 1e6:.1f} MB, floor {rec['floor_us']:.1f} us"
+        line = (f"M={M}{' +shared' if a.shared else ''} {tiling or 'default tiling'}: {rec['n_experts_used']} "
+                f"experts, {rec['bytes'] / 1e6:.1f} MB, floor {rec['floor_us']:.1f} us")
         for n in ("kernel", "gather"):
             if n + "_loop_us" in rec:
                 line += (f"; {n} {rec[n + '_loop_us']:.1f} us in-loop ({rec[n + '_pct_4p3']:.0f}% of 4.3 TB/s, "

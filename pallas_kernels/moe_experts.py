@@ -99,7 +99,7 @@ MAX_M = 16          # tokens per call (decode or a speculative verify block); al
 BLOCK = 128         # fp8 scale block (both dims) = K chunk of every matmul
 TF = 64             # kernel 1: F columns per program (WGMMA M rows of the gate and up tiles)
 TD = 128            # kernel 2: D columns per program (WGMMA M rows)
-STAGES = 3          # TMA pipeline depth
+STAGES = 3          # TMA pipeline depth (default of `stages`)
 N_SMS = 132         # H200: the splits below aim at >= 2 programs per SM
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
 _WG = plgpu.Layout.WGMMA
@@ -153,7 +153,7 @@ def _split(programs: int, chunks: int, min_chunks: int) -> int:
     return full[0] if full else divs[-1]
 
 
-def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, interpret, w_shared=None, x_scale=None):
+def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_shared=None, x_scale=None):
     """Kernel 1 -> act [U, F, MAX_M] bf16 (split == 1), or (split > 1) the partial gate and up
     products [split, U, 2, F, MAX_M] float32 over split ranges of D, summed and SwiGLU'd by the
     caller (fp8: still to be multiplied by x_scale per token). Rows of padding slots are left
@@ -199,7 +199,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, interpret, w_shared=None
 
                 w_spec = plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=w_tf)
                 plgpu.emit_pipeline(step, grid=(kps,), in_specs=[w_spec, w_spec, x_spec],
-                                    max_concurrent_steps=STAGES)(*sources, x_g.at[:, rows])
+                                    max_concurrent_steps=stages)(*sources, x_g.at[:, rows])
                 return acc_g[...], acc_u[...]
 
             return pl.run_scoped(scoped, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
@@ -227,7 +227,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, interpret, w_shared=None
             w_spec = plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=swizzled(TF, 1))
             zero = plgpu.layout_cast(jnp.zeros((TF, MAX_M), _F32), _WG)
             return plgpu.emit_pipeline(step, grid=(kps,), in_specs=[w_spec, w_spec, x_spec],
-                                       max_concurrent_steps=STAGES,
+                                       max_concurrent_steps=stages,
                                        init_carry=(zero, zero))(*sources, x_g.at[:, rows])
 
         def expert(sources, limit):
@@ -279,7 +279,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, interpret, w_shared=None
                   *((su_gu, x_scale) if fp8 else ()))
 
 
-def _down(uniq, act_t, w_down, su_d, split, interpret, w_shared=None):
+def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None):
     """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [split, U, D, MAX_M] float32, the unweighted
     per-expert outputs over split ranges of F (zeros for padding slots; the caller sums the
     splits). su_d: scales (fp8 weights) or None (bf16 weights). With ``w_shared`` [F, D] the last
@@ -331,7 +331,7 @@ def _down(uniq, act_t, w_down, su_d, split, interpret, w_shared=None):
                     in_specs=[plgpu.BlockSpec((BLOCK, TD), lambda i: (i, 0),
                                               transforms=swizzled(TD, 1) if fp8 else w_tf),
                               plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=a_tf)],
-                    max_concurrent_steps=STAGES,
+                    max_concurrent_steps=stages,
                 )(source, act_g.at[u, :, rows])
                 return acc[...]
 
@@ -373,7 +373,7 @@ def _pad_minor(a, mult):
 
 
 def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit=None, *,
-                       shared=None, split_d=None, split_f=None, interpret=False):
+                       shared=None, split_d=None, split_f=None, stages=STAGES, interpret=False):
     """Routed experts for M = 1..16 tokens; see the module docstring.
 
     x [M, D]; idx, w [M, k]; either block-fp8 weights: w_gate_up [E, D, 2, F] float8_e4m3fn +
@@ -385,6 +385,7 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     [F, D], down_scale [F/128, D/128] | None, limit)``, the routed experts' dtype and F.
     ``split_d`` / ``split_f``: programs per output tile along D (kernel 1) / F (kernel 2); must
     divide D/128 / F/128; None = :func:`moe_split` (split when there are too few programs).
+    ``stages``: TMA pipeline depth of both kernels (chunks in flight per program).
     ``interpret``: False (compile for the GPU) or a ``plgpu.InterpretGPUParams``. -> [M, D] x.dtype.
     """
     M, D = x.shape
@@ -426,6 +427,8 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     U = min(M * idx.shape[1], E) + (shared is not None)
     auto_d, auto_f = moe_split(U, D, F)
     split_d, split_f = split_d or auto_d, split_f or auto_f
+    if stages < 1:
+        raise ValueError(f"stages={stages} must be >= 1")
     if split_d < 1 or split_f < 1 or nd % split_d or nf % split_f:
         raise ValueError(f"split_d={split_d} must divide D/128={nd} and split_f={split_f} must divide "
                          f"F/128={nf}")
@@ -452,14 +455,14 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
         su_d = _pad_minor(ds_, 4)                                        # [U, F/128, nd+]
     limits = (limit, limit if shared is None else sh_limit)
     w_sh = (None, None) if shared is None else (sh_gu, sh_d)
-    act = _gate_up(uniq, xp, w_gate_up, su_gu, limits, split_d, interpret, w_sh[0], x_scale)
+    act = _gate_up(uniq, xp, w_gate_up, su_gu, limits, split_d, stages, interpret, w_sh[0], x_scale)
     if split_d > 1:     # [split, U, 2, F, MAX_M] partial sums -> SwiGLU in XLA (one fusion with the transpose)
         gu = act.sum(0) if x_scale is None else act.sum(0) * x_scale
         act = _silu_clamp(gu[:, 0], gu[:, 1], limits[0])                         # [U, F, MAX_M]
         if limits[1] != limits[0]:
             act = jnp.concatenate([act[:-1], _silu_clamp(gu[-1:, 0], gu[-1:, 1], limits[1])])
         act = act.astype(_BF)
-    yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, split_f, interpret, w_sh[1])  # [split, U, D, MAX_M]
+    yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, split_f, stages, interpret, w_sh[1])  # [split, U, D, MAX_M]
     return jnp.einsum("sudm,um->md", yu[..., :M], wu).astype(x.dtype)
 
 

@@ -311,6 +311,8 @@ def test_rejects_bad_inputs():
         moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, split_d=3, interpret=INTERPRET)
     with pytest.raises(ValueError, match="split_f=-1 must divide"):
         moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, split_f=-1, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="stages=0 must be >= 1"):
+        moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, stages=0, interpret=INTERPRET)
     with pytest.raises(ValueError, match="multiples of 128"):
         moe_experts_pallas(x[:, :64], idx, w, vgu[:, :64].astype(BF16), None, vd[..., :64].astype(BF16), None,
                            interpret=INTERPRET)
@@ -443,3 +445,19 @@ def test_timing_entry_point_bf16_cpu_smoke(tmp_path):
     assert "kernel_error" not in r and "gather_error" not in r, r
     assert r["finite"] and r["max_abs_err"] <= 2e-2 * r["ref_max"]
     assert r["bytes"] == r["n_experts_used"] * 3 * 128 * 128 * 2
+
+
+@interpret_only
+def test_timing_entry_point_sweep_with_shared_expert(tmp_path):
+    """--shared and a tiling sweep: one row per (split_d, stages) combination, the shared expert's
+    bytes counted, the gather row only with the first combination, every row matching gather."""
+    from bench.moe_kernel_timing import main
+    rec = main(["--interpret", "--shared", "--M", "1", "--E", "8", "--D", "256", "--F", "128", "--k", "2",
+                "--split-d", "1,2", "--stages", "1,3", "--limit", "0.05", "--iters", "1", "--warmup", "1",
+                "--no-xla-defaults", "--out-dir", str(tmp_path)])
+    rows = rec["results"]
+    assert [r["tiling"] for r in rows] == [{"split_d": d, "stages": s} for d in (1, 2) for s in (1, 3)]
+    for i, r in enumerate(rows):
+        assert r["shared"] and r["n_experts_used"] == 3                       # 2 routed + the shared one
+        assert "kernel_error" not in r and r["finite"] and r["max_abs_err"] <= 2e-2 * r["ref_max"], r
+        assert ("gather_us" in r) == (i == 0)
