@@ -151,7 +151,10 @@ def uses_kernel(module, name: str, tokens: int) -> bool:
 
 def dense_kernel_plan(model: nnx.Module) -> dict[str, str | None]:
     """'path.to.weight' -> None (on the kernel for <= 16 tokens) or why it stays on XLA, for every
-    projection listed in a DENSE_WEIGHTS of `model`'s layers (all on XLA when dense_kernel is 'xla')."""
+    projection listed in a DENSE_WEIGHTS of `model`'s layers (all on XLA when dense_kernel is 'xla').
+    A MoE's shared expert that joins the expert kernels (moe_kernel='pallas',
+    lingjax.model.mlp.shared_kernel_weights) is listed by this rule too, but its <= 16-token calls
+    run inside the expert kernels, not the skinny GEMM."""
     plan = {}
     for path, m in nnx.iter_modules(model):
         for name, _ in getattr(type(m), "DENSE_WEIGHTS", ()):
