@@ -92,9 +92,21 @@ def make_weights(E, D, F, seed, kind="fp8"):
 LOOP_DRAWS = 4      # routing draws the loop cycles through (different experts: no L2 reuse)
 
 
+def split_shared(weights, E, limit, shared: bool):
+    """make_weights' arrays -> (the E routed experts' (vgu, sgu, vd, sd), the shared expert's
+    moe_experts_pallas tuple or None). With --shared make_weights makes E + 1 experts and the last
+    one is the shared expert; the routed arrays are sliced once here, not per row."""
+    if not shared:
+        return weights, None
+    vgu, sgu, vd, sd = weights
+    sh = (vgu[E], None if sgu is None else sgu[E], vd[E], None if sd is None else sd[E], limit)
+    routed = (vgu[:E], None if sgu is None else sgu[:E], vd[:E], None if sd is None else sd[:E])
+    return routed, sh
+
+
 def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True) -> dict:
-    """One row: M tokens, kernel `tiling` overrides ({split_d, split_f, stages}); weights from
-    make_weights (E + 1 experts with --shared: the last one is the shared expert)."""
+    """One row: M tokens, kernel `tiling` overrides ({split_d, split_f, stages}); weights: the
+    result of `split_shared`."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -103,12 +115,7 @@ def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True) -> di
     from lingjax.quant import Fp8Weight
     from pallas_kernels.moe_experts import moe_experts_pallas, weight_bytes
     tiling = tiling or {}
-    vgu, sgu, vd, sd = weights
-    shared = None
-    if a.shared:          # the last of the E + 1 made experts is the shared one
-        shared = (vgu[a.E], None if sgu is None else sgu[a.E], vd[a.E], None if sd is None else sd[a.E], a.limit)
-        vgu, vd = vgu[:a.E], vd[:a.E]
-        sgu, sd = (None, None) if sgu is None else (sgu[:a.E], sd[:a.E])
+    (vgu, sgu, vd, sd), shared = weights
     rng = np.random.default_rng(a.seed + M)
 
     def draw(j):
@@ -183,7 +190,7 @@ def main(argv=None) -> dict:
     grids = {k: int_list(ap, v, "--" + k.replace("_", "-")) or [None]
              for k, v in (("split_d", a.split_d), ("split_f", a.split_f), ("stages", a.stages))}
     tilings = [{k: v for k, v in zip(grids, combo) if v is not None} for combo in itertools.product(*grids.values())]
-    weights = make_weights(a.E + a.shared, a.D, a.F, a.seed, a.weights)
+    weights = split_shared(make_weights(a.E + a.shared, a.D, a.F, a.seed, a.weights), a.E, a.limit, a.shared)
     results = []
     for M, (n_tiling, tiling) in itertools.product(Ms, enumerate(tilings)):
         rec = run_M(M, a, weights, interpret, copy_bw, tiling, gather_row=n_tiling == 0)
