@@ -2,6 +2,7 @@
 
     python -m bench.moe_kernel_timing --M 1,9 [--weights fp8|bf16] [--iters 50] [--out-dir DIR]
     python -m bench.moe_kernel_timing --M 1,9 --shared --stages 2,3,4 --split-d 1,2,4 --no-gather  # sweep
+    python -m bench.moe_kernel_timing --M 1,9 --shared --fp8-schedule serial,async --no-gather
     python -m bench.moe_kernel_timing --interpret --M 1,3 --E 16 --D 256 --F 128 --k 4 --iters 1  # CPU smoke
 
 Shape (default Ling-3.0-flash): E=512 experts, D=2560, F=768, top-k 8; --weights fp8 (default):
@@ -19,7 +20,7 @@ bytes = weights (+ fp8 scales) of the distinct chosen experts (what each must re
 loop_bytes = their mean over the 4 draws; pct_4p3 = loop_bytes / loop time / 4.3 TB/s (the H200's
 copy bandwidth, the targets' yardstick), pct_copy = the same against the copy bandwidth measured
 in-process (bench.batch1.measure_copy_bandwidth). max_abs_err / ref_max: kernel vs gather.
---split-d / --split-f / --stages: one row per combination of the listed overrides (the record's
+--split-d / --split-f / --stages / --fp8-schedule: one row per combination of the listed overrides (the record's
 `tiling`; the gather row is timed once per M, with the first combination). --shared: the shared
 expert (expert E of E + 1 made) joins as the kernels' last slot; gather adds it as one more
 expert with weight 1 per token.
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--split-d", default="", help="comma list of kernel-1 split overrides (default: moe_split)")
     ap.add_argument("--split-f", default="", help="comma list of kernel-2 split overrides (default: moe_split)")
     ap.add_argument("--stages", default="", help="comma list of pipeline-depth overrides (default: 3)")
+    ap.add_argument("--fp8-schedule", default="",
+                    help="comma list of fp8 schedules (serial, async; default: the kernel's): 'async' folds "
+                         "the block scale into the f16 conversion and leaves each chunk's WGMMA in flight")
     ap.add_argument("--shared", action="store_true",
                     help="with a shared expert as one more slot (as the model runs Ling-3.0-flash); its "
                          "weights are one more random expert, its bytes are counted")
@@ -105,7 +109,7 @@ def split_shared(weights, E, limit, shared: bool):
 
 
 def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True) -> dict:
-    """One row: M tokens, kernel `tiling` overrides ({split_d, split_f, stages}); weights: the
+    """One row: M tokens, kernel `tiling` overrides ({split_d, split_f, stages, fp8_schedule}); weights: the
     result of `split_shared`."""
     import jax
     import jax.numpy as jnp
@@ -189,6 +193,13 @@ def main(argv=None) -> dict:
     copy_bw = measure_copy_bandwidth((1024 if backend == "gpu" else 8) << 20)
     grids = {k: int_list(ap, v, "--" + k.replace("_", "-")) or [None]
              for k, v in (("split_d", a.split_d), ("split_f", a.split_f), ("stages", a.stages))}
+    from pallas_kernels.moe_experts import FP8_SCHEDULES
+    schedules = [t.strip() for t in a.fp8_schedule.split(",") if t.strip()]
+    if set(schedules) - set(FP8_SCHEDULES) or len(set(schedules)) != len(schedules):
+        ap.error(f"--fp8-schedule must be a comma list of distinct {', '.join(FP8_SCHEDULES)}, got {a.fp8_schedule!r}")
+    if schedules and a.weights != "fp8":
+        ap.error("--fp8-schedule is for --weights fp8")
+    grids["fp8_schedule"] = schedules or [None]
     tilings = [{k: v for k, v in zip(grids, combo) if v is not None} for combo in itertools.product(*grids.values())]
     weights = split_shared(make_weights(a.E + a.shared, a.D, a.F, a.seed, a.weights), a.E, a.limit, a.shared)
     results = []

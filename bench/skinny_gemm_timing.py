@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stages", default="", help="comma list of pipeline-depth overrides")
     ap.add_argument("--fp8-schedule", default="serial",
                     help="comma list of fp8 schedules: serial (default), pair (two K tiles per step, the "
-                         "second converted under the first's WGMMA); bf16 rows ignore it")
+                         "second converted under the first's WGMMA), async (block scale folded into the f16 "
+                         "conversion, each tile's WGMMA left in flight); bf16 rows ignore it")
     ap.add_argument("--iters", type=int, default=50, help="timed calls per row (loop: iterations of 8+ calls)")
     ap.add_argument("--copies", type=int, default=None,
                     help="weight copies cycled in the loop (default: enough for 256 MB, at least 1)")

@@ -5,6 +5,11 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 X_TOP_EXP = 15   # f16 token rows: each scaled by a power of two to max|x| in [2**14, 2**15)
+# fp8 'async' schedules multiply each e4m3 value by f16(block scale * 2**SCALE_SHIFT) in registers:
+# normal f16 scales for blocks with max |w| in [2.7e-5, 64] (scale = max / 448); a block with max
+# |w| > 64 would overflow f16 to inf (no trained checkpoint has one), smaller blocks lose precision
+# gradually (f16 subnormals). The power of two is undone on the float32 output.
+SCALE_SHIFT = 10
 
 
 def swizzled(minor_elems: int, itemsize: int = 2):

@@ -91,15 +91,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import X_TOP_EXP, f16_rows, store, swizzled
+from pallas_kernels.common import SCALE_SHIFT, X_TOP_EXP, f16_rows, store, swizzled
 
-__all__ = ["MAX_M", "BLOCK", "moe_experts_pallas", "moe_split", "dedupe_experts", "weight_bytes"]
+__all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "moe_experts_pallas", "moe_split", "dedupe_experts", "weight_bytes"]
 
 MAX_M = 16          # tokens per call (decode or a speculative verify block); also the padded N
 BLOCK = 128         # fp8 scale block (both dims) = K chunk of every matmul
 TF = 64             # kernel 1: F columns per program (WGMMA M rows of the gate and up tiles)
 TD = 128            # kernel 2: D columns per program (WGMMA M rows)
 STAGES = 3          # TMA pipeline depth (default of `stages`)
+FP8_SCHEDULES = ("serial", "async")
 N_SMS = 132         # H200: the splits below aim at >= 2 programs per SM
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
 _WG = plgpu.Layout.WGMMA
@@ -153,7 +154,8 @@ def _split(programs: int, chunks: int, min_chunks: int) -> int:
     return full[0] if full else divs[-1]
 
 
-def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_shared=None, x_scale=None):
+def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_shared=None, x_scale=None,
+             fp8_async=False):
     """Kernel 1 -> act [U, F, MAX_M] bf16 (split == 1), or (split > 1) the partial gate and up
     products [split, U, 2, F, MAX_M] float32 over split ranges of D, summed and SwiGLU'd by the
     caller (fp8: still to be multiplied by x_scale per token). Rows of padding slots are left
@@ -163,8 +165,9 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
     bf16 weights (su_gu None): xp [MAX_M, D] bf16, the tiles go to the WGMMA as they land.
     fp8 weights: xp [MAX_M, D] float16, each token row scaled by a power of two (x_scale [MAX_M]
     float32 undoes it); su_gu the slots' block scales; each fp8 tile is converted to f16 (exact)
-    and multiplied into a fresh accumulator that its block scale then weights (module docstring).
-    limits: (routed, shared) SwiGLU clamps."""
+    and multiplied into a fresh accumulator that its block scale then weights (module docstring);
+    with ``fp8_async`` (su_gu pre-multiplied by 2**SCALE_SHIFT) the scale multiplies the f16 tile
+    instead and the WGMMAs run asynchronously. limits: (routed, shared) SwiGLU clamps."""
     E, D, _, F = w_gate_up.shape
     U = uniq.shape[0]
     fp8 = su_gu is not None
@@ -230,9 +233,40 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
                                        max_concurrent_steps=stages,
                                        init_carry=(zero, zero))(*sources, x_g.at[:, rows])
 
+        def stream_fp8_async(sources):
+            """Block scales folded into the f16 conversion (su_gu holds scale * 2**SCALE_SHIFT): one
+            accumulator per output, each chunk's WGMMAs left in flight while the next converts."""
+            plgpu.copy_gmem_to_smem(s_g.at[u, :, (j * TF) // BLOCK], s_s, bar.at[0])
+            plgpu.barrier_wait(bar.at[0])
+
+            def scoped(acc_g, acc_u):
+                def step(idxs, g8_s, u8_s, x_s):
+                    (i,) = idxs
+                    k = p * kps + i
+                    vs = [plgpu.load(src, layout=_WG).astype(_F16) * s_s[c, k].astype(_F16)
+                          for c, src in enumerate((g8_s, u8_s))]
+                    plgpu.wgmma_wait(0)              # the previous chunk's WGMMAs have read wb_s
+                    for c in range(2):
+                        wb_s.at[c][...] = vs[c]
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_g, wb_s.at[0].T, x_s.T)      # left in flight (the chunk's
+                    plgpu.wgmma(acc_u, wb_s.at[1].T, x_s.T)      # buffers released a step late)
+
+                w_spec = plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=swizzled(TF, 1),
+                                         delay_release=1)
+                xa_spec = plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=x_tf, delay_release=1)
+                plgpu.emit_pipeline(step, grid=(kps,), in_specs=[w_spec, w_spec, xa_spec],
+                                    max_concurrent_steps=stages)(*sources, x_g.at[:, rows])
+                return acc_g[...], acc_u[...]
+
+            return pl.run_scoped(scoped, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
+
         def expert(sources, limit):
             """Stream one expert's gate / up columns (sources: their two [ds, TF] GMEM views)."""
-            res = stream_fp8(sources) if fp8 else stream_bf16(sources)
+            if fp8:
+                res = stream_fp8_async(sources) if fp8_async else stream_fp8(sources)
+            else:
+                res = stream_bf16(sources)
             if split == 1:
                 g, up = res
                 if fp8:              # undo the tokens' power-of-two scaling (per column)
@@ -279,11 +313,12 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
                   *((su_gu, x_scale) if fp8 else ()))
 
 
-def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None):
+def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp8_async=False):
     """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [split, U, D, MAX_M] float32, the unweighted
     per-expert outputs over split ranges of F (zeros for padding slots; the caller sums the
     splits). su_d: scales (fp8 weights) or None (bf16 weights). With ``w_shared`` [F, D] the last
-    slot is the shared expert."""
+    slot is the shared expert. ``fp8_async``: each chunk's WGMMA is left in flight while the next
+    chunk dequantises (the same bf16 tile values)."""
     E, F, D = w_down.shape
     U = uniq.shape[0]
     fp8 = su_d is not None
@@ -319,18 +354,23 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None):
                     if fp8:      # dequantise the fp8 chunk into the swizzled bf16 tile
                         v = plgpu.load(w_s, layout=_WG)                   # swizzled fp8 tile
                         v = (v.astype(_F32) * s_s[p * kps + i, (j * TD) // BLOCK]).astype(_BF)
+                        if fp8_async:
+                            plgpu.wgmma_wait(0)      # the previous chunk's WGMMA has read wb_s
                         store(wb_s, v)
                         plgpu.commit_smem()
                         w_s = wb_s
                     plgpu.wgmma(acc, w_s.T, a_s.T)
-                    plgpu.wgmma_wait(0)
+                    if not fp8_async:
+                        plgpu.wgmma_wait(0)
 
+                late = 1 if fp8_async else 0         # async: buffers released one step late
                 plgpu.emit_pipeline(
                     step,
                     grid=(kps,),
                     in_specs=[plgpu.BlockSpec((BLOCK, TD), lambda i: (i, 0),
-                                              transforms=swizzled(TD, 1) if fp8 else w_tf),
-                              plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=a_tf)],
+                                              transforms=swizzled(TD, 1) if fp8 else w_tf, delay_release=late),
+                              plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=a_tf,
+                                              delay_release=late)],
                     max_concurrent_steps=stages,
                 )(source, act_g.at[u, :, rows])
                 return acc[...]
@@ -373,7 +413,8 @@ def _pad_minor(a, mult):
 
 
 def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit=None, *,
-                       shared=None, split_d=None, split_f=None, stages=STAGES, interpret=False):
+                       shared=None, split_d=None, split_f=None, stages=STAGES, fp8_schedule="serial",
+                       interpret=False):
     """Routed experts for M = 1..16 tokens; see the module docstring.
 
     x [M, D]; idx, w [M, k]; either block-fp8 weights: w_gate_up [E, D, 2, F] float8_e4m3fn +
@@ -386,6 +427,9 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     ``split_d`` / ``split_f``: programs per output tile along D (kernel 1) / F (kernel 2); must
     divide D/128 / F/128; None = :func:`moe_split` (split when there are too few programs).
     ``stages``: TMA pipeline depth of both kernels (chunks in flight per program).
+    ``fp8_schedule``: 'serial' (per chunk: convert, WGMMA, wait; kernel 1 scales each chunk's
+    product) or 'async' (kernel 1 multiplies the f16 tile by its scale, both kernels leave each
+    chunk's WGMMA in flight while the next chunk converts; needs stages >= 2). bf16 ignores it.
     ``interpret``: False (compile for the GPU) or a ``plgpu.InterpretGPUParams``. -> [M, D] x.dtype.
     """
     M, D = x.shape
@@ -427,8 +471,12 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     U = min(M * idx.shape[1], E) + (shared is not None)
     auto_d, auto_f = moe_split(U, D, F)
     split_d, split_f = split_d or auto_d, split_f or auto_f
-    if stages < 1:
-        raise ValueError(f"stages={stages} must be >= 1")
+    if fp8_schedule not in FP8_SCHEDULES:
+        raise ValueError(f"fp8_schedule={fp8_schedule!r} must be one of {FP8_SCHEDULES}")
+    fp8_async = fp8 and fp8_schedule == "async"
+    if stages < 1 or (fp8_async and stages < 2):
+        raise ValueError(f"stages={stages} must be >= 1 (>= 2 for fp8_schedule='async': a chunk's buffers are "
+                         "released one step late, while its WGMMA runs)")
     if split_d < 1 or split_f < 1 or nd % split_d or nf % split_f:
         raise ValueError(f"split_d={split_d} must divide D/128={nd} and split_f={split_f} must divide "
                          f"F/128={nf}")
@@ -440,7 +488,8 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     x_scale = None
     if fp8:          # kernel 1 multiplies f16 tokens, each row scaled into f16's range
         xp, ex = f16_rows(x, MAX_M)
-        x_scale = jnp.zeros((MAX_M,), _F32).at[:M].set(jnp.ldexp(jnp.ones((M,), _F32), ex - X_TOP_EXP))
+        shift = X_TOP_EXP + (SCALE_SHIFT if fp8_async else 0)
+        x_scale = jnp.zeros((MAX_M,), _F32).at[:M].set(jnp.ldexp(jnp.ones((M,), _F32), ex - shift))
     else:
         xp = jnp.zeros((MAX_M, D), _BF).at[:M].set(x.astype(_BF))
     su_gu = su_d = None
@@ -451,18 +500,21 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
         else:            # concatenated, not .at[-1].set: an update in place costs XLA a buffer copy
             gs = jnp.concatenate([gu_scale[safe[:-1]], sh_gu_scale[None]]).astype(_F32)
             ds_ = jnp.concatenate([down_scale[safe[:-1]], sh_d_scale[None]]).astype(_F32)
+        if fp8_async:    # kernel 1 multiplies the f16 weights by f16(scale * 2**SHIFT)
+            gs = gs * 2.0 ** SCALE_SHIFT
         su_gu = _pad_minor(jnp.swapaxes(gs, -1, -2), 4)                  # [U, 2, F/128, nd+]
         su_d = _pad_minor(ds_, 4)                                        # [U, F/128, nd+]
     limits = (limit, limit if shared is None else sh_limit)
     w_sh = (None, None) if shared is None else (sh_gu, sh_d)
-    act = _gate_up(uniq, xp, w_gate_up, su_gu, limits, split_d, stages, interpret, w_sh[0], x_scale)
+    act = _gate_up(uniq, xp, w_gate_up, su_gu, limits, split_d, stages, interpret, w_sh[0], x_scale, fp8_async)
     if split_d > 1:     # [split, U, 2, F, MAX_M] partial sums -> SwiGLU in XLA (one fusion with the transpose)
         gu = act.sum(0) if x_scale is None else act.sum(0) * x_scale
         act = _silu_clamp(gu[:, 0], gu[:, 1], limits[0])                         # [U, F, MAX_M]
         if limits[1] != limits[0]:
             act = jnp.concatenate([act[:-1], _silu_clamp(gu[-1:, 0], gu[-1:, 1], limits[1])])
         act = act.astype(_BF)
-    yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, split_f, stages, interpret, w_sh[1])  # [split, U, D, MAX_M]
+    yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, split_f, stages, interpret, w_sh[1],
+               fp8_async)                                                       # [split, U, D, MAX_M]
     return jnp.einsum("sudm,um->md", yu[..., :M], wu).astype(x.dtype)
 
 

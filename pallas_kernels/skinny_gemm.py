@@ -77,7 +77,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import X_TOP_EXP, f16_rows, store, swizzled
+from pallas_kernels.common import SCALE_SHIFT, X_TOP_EXP, f16_rows, store, swizzled
 
 __all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "SkinnyConfig", "skinny_gemm_config", "skinny_gemm_pallas",
            "skinny_gemm_reference", "weight_bytes"]
@@ -88,7 +88,7 @@ N_SMS = 132           # H200
 MIN_K_TILES = 4       # default split_k keeps at least this many K tiles per program
 SMEM_TARGET = 110 * 1024   # default stages: fit two programs per SM (227 KiB)
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
-FP8_SCHEDULES = ("serial", "pair")
+FP8_SCHEDULES = ("serial", "pair", "async")
 # fp8 defaults from the H200 sweep (session 7, bench/skinny_gemm_timing.py --block-n 64,128
 # --split-k 1,2,4 --stages 2,4, M = 1): 2560 -> 20480 in 24.5 us at block_n 64, split 2, 2 stages
 # against 31.6 us at the earlier 128 / 2 / 4 (the serial convert -> WGMMA chain per tile gains from
@@ -140,7 +140,8 @@ def skinny_gemm_config(M: int, K: int, N: int, fp8: bool, *, block_n=None, split
 
 def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_schedule="serial"):
     """xp [m_pad, K] bf16 (f16 for fp8 w), w [K, N], s_t [N/128 blocks, K/128 (+pad)] f32 or None
-    -> part [split_k, N, m_pad] part_dtype. fp8_schedule: 'serial' | 'pair' (module docstring)."""
+    -> part [split_k, N, m_pad] part_dtype. fp8_schedule: 'serial' | 'pair' | 'async' (module
+    docstring; 'async' wants s_t pre-multiplied by 2**SCALE_SHIFT)."""
     K, N = w.shape
     fp8 = s_t is not None
     bn, S, mp = cfg.block_n, cfg.split_k, cfg.m_pad
@@ -246,8 +247,39 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
                           plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1))
         store_out(y, part_g, j, s)
 
+    def body_fp8_async(x_g, w_g, s_g, part_g):
+        """Block scale folded into the f16 conversion: one accumulator, each tile's WGMMA left in
+        flight while the next tile converts (s_g holds scale * 2**SCALE_SHIFT)."""
+        j, s = lax.axis_index("n"), lax.axis_index("k")
+        async_specs = [plgpu.BlockSpec(sp.block_shape, sp.index_map, transforms=sp.transforms,
+                                       delay_release=1) for sp in specs]
+
+        def scoped(wb_s, s_s, bar):
+            plgpu.copy_gmem_to_smem(s_g.at[(j * bn) // BLOCK], s_s, bar.at[0])
+
+            def mma(acc):
+                def step(idxs, w8_s, x_s):
+                    (i,) = idxs
+                    pl.when(i == 0)(lambda: plgpu.barrier_wait(bar.at[0]))
+                    v = plgpu.load(w8_s, layout=_WG).astype(_F16) * s_s[s * kps + i].astype(_F16)
+                    plgpu.wgmma_wait(0)                     # the previous tile's WGMMA has read wb_s
+                    wb_s[...] = v
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc, wb_s.T, x_s.T)         # left in flight (x_s released a step late)
+
+                plgpu.emit_pipeline(step, grid=(kps,), in_specs=async_specs,
+                                    max_concurrent_steps=cfg.stages)(*operands(w_g, x_g, j, s))
+                return acc[...]
+
+            return pl.run_scoped(mma, plgpu.ACC((bn, mp), _F32))
+
+        y = pl.run_scoped(scoped, plgpu.SMEM((BLOCK, bn), _F16, transforms=w_tf),
+                          plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1))
+        store_out(y, part_g, j, s)
+
+    fp8_body = {"serial": body_fp8, "pair": body_fp8_pair, "async": body_fp8_async}[fp8_schedule]
     kernel = plgpu.kernel(
-        (body_fp8_pair if fp8_schedule == "pair" else body_fp8) if fp8 else body_bf16,
+        fp8_body if fp8 else body_bf16,
         out_type=jax.ShapeDtypeStruct((S, N, mp), part_dtype),
         grid=(N // bn, S),
         grid_names=("n", "k"),
@@ -305,6 +337,9 @@ def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=N
         raise ValueError(f"scale {tuple(scale.shape)} must be [K/128, ceil(N/128)] = {(nk, nb)} "
                          "(one float32 per 128 x 128 block of w)")
     cfg = skinny_gemm_config(M, K, N, fp8, block_n=block_n, split_k=split_k, stages=stages)
+    if fp8 and fp8_schedule == "async" and cfg.stages < 2:
+        raise ValueError(f"fp8_schedule='async' needs stages >= 2 (a tile's buffers are released one step "
+                         f"late, while its WGMMA runs); got stages={cfg.stages}")
     if fp8 and fp8_schedule == "pair" and (nk // cfg.split_k) % 2:
         raise ValueError(f"fp8_schedule='pair' needs an even number of K tiles per program; K/128={nk} over "
                          f"split_k={cfg.split_k} gives {nk // cfg.split_k}: pass split_k= to make it even, "
@@ -317,6 +352,9 @@ def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=N
         # scales as [N blocks, K blocks]: a program's scales are one row, padded to 16 bytes
         s_t = jnp.swapaxes(scale.astype(_F32), 0, 1)
         s_t = jnp.pad(s_t, ((0, 0), (0, -nk % 4))) if nk % 4 else s_t
+        if fp8_schedule == "async":     # the kernel multiplies f16 weights by f16(scale * 2**SHIFT)
+            s_t = s_t * 2.0 ** SCALE_SHIFT
+            e = e - SCALE_SHIFT
     else:
         xp = jnp.zeros((cfg.m_pad, K), _BF).at[:M].set(xb)
     part_dtype = _F32 if cfg.split_k > 1 or fp8 else out_dtype

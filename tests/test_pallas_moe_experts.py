@@ -271,6 +271,41 @@ def test_interpret_shared_expert_slot(M, split_d, split_f, limit, shared_limit, 
         assert np.abs(np.asarray(swapped) - np.asarray(ref)).max() > 0.05 * np.abs(np.asarray(ref)).max()
 
 
+# (M, D, F, mode, split_d, split_f, limit, shared): fp8_schedule='async' (block scale folded into the
+# f16 conversion of kernel 1, WGMMAs left in flight in both kernels)
+ASYNC_CASES = [
+    (1, 512, 256, "independent", 4, 2, None, True),
+    (9, 256, 256, "overlap", 1, 1, 0.02, False),
+    (3, 512, 256, "independent", 2, 1, None, True),
+]
+
+
+@pytest.mark.parametrize("M,D,F,mode,split_d,split_f,limit,with_shared", ASYNC_CASES)
+@interpret_only
+def test_interpret_async_schedule_matches(M, D, F, mode, split_d, split_f, limit, with_shared):
+    """'async' gives the reference (and the 'serial' schedule, up to summation order and act's
+    rounding; the test scales are powers of two, so the f16 products are exact); unselected
+    experts stay unread."""
+    E, k = 16, 4
+    vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=31 + M)
+    routed = (vgu[:E], sgu[:E], vd[:E], sd[:E])
+    idx, w = _routing(M, k, E, mode, seed=M + 4)
+    x = jax.random.normal(jax.random.PRNGKey(M + 13), (M, D), F32).astype(BF16)
+    ref = _reference(x, idx, w, *routed, limit)
+    shared = None
+    if with_shared:
+        shared = (vgu[E], sgu[E], vd[E], sd[E], limit)
+        ref = ref + _reference(x, jnp.full((M, 1), E, jnp.int32), jnp.ones((M, 1), F32), vgu, sgu, vd, sd, limit)
+    read = np.zeros(E, bool)
+    read[np.asarray(idx).ravel()] = True
+    poisoned = _poison(jnp.asarray(~read), *routed)
+    kw = dict(shared=shared, split_d=split_d, split_f=split_f, interpret=INTERPRET)
+    out = jax.block_until_ready(moe_experts_pallas(x, idx, w, *poisoned, limit, fp8_schedule="async", **kw))
+    _assert_no_race_flagged()
+    _check(out, ref, 2e-2)
+    _check(out, moe_experts_pallas(x, idx, w, *poisoned, limit, **kw), 1e-2)
+
+
 def test_shared_expert_checks():
     vgu, sgu, vd, sd = _weights(4, 256, 128)
     x, idx, w = jnp.zeros((1, 256), BF16), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), F32)
@@ -313,6 +348,10 @@ def test_rejects_bad_inputs():
         moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, split_f=-1, interpret=INTERPRET)
     with pytest.raises(ValueError, match="stages=0 must be >= 1"):
         moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, stages=0, interpret=INTERPRET)
+    with pytest.raises(ValueError, match=r"stages=1 must be >= 1 \(>= 2 for fp8_schedule='async'"):
+        moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, stages=1, fp8_schedule="async", interpret=INTERPRET)
+    with pytest.raises(ValueError, match="fp8_schedule='pair' must be one of"):
+        moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, fp8_schedule="pair", interpret=INTERPRET)
     with pytest.raises(ValueError, match="multiples of 128"):
         moe_experts_pallas(x[:, :64], idx, w, vgu[:, :64].astype(BF16), None, vd[..., :64].astype(BF16), None,
                            interpret=INTERPRET)
@@ -358,6 +397,16 @@ def test_cross_lowers_for_cuda_with_shared_expert(M, kind):
     assert text.count("mosaic_gpu") >= 2
 
 
+@pytest.mark.parametrize("M", [1, 9])
+def test_async_schedule_cross_lowers_for_cuda_with_shared_expert(M):
+    D, F = LING["D"], LING["F"]
+    S = jax.ShapeDtypeStruct
+    sh = (S((D, 2, F), FP8), S((2, D // 128, F // 128), F32), S((F, D), FP8), S((F // 128, D // 128), F32))
+    f = jax.jit(lambda *a: moe_experts_pallas(*a[:7], limit=7.0, shared=(*a[7:], 5.0), fp8_schedule="async"))
+    text = f.trace(*_ling_abstract(M), *sh).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2
+
+
 # ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
 @gpu_only
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
@@ -386,6 +435,24 @@ def test_gpu_ling_shape_shared_expert(M, kind):
     idx, w = _routing(M, k, E, "independent", seed=M)
     x = jax.random.normal(jax.random.PRNGKey(M), (M, D), F32).astype(BF16)
     out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared))(x, idx, w, *routed)
+    ref_fn = jax.jit(_reference, static_argnames=("limit", "dtype"))
+    ref = ref_fn(x, idx, w, *routed, limit=7.0) + ref_fn(
+        x, jnp.full((M, 1), E, jnp.int32), jnp.ones((M, 1), F32), vgu, sgu, vd, sd, limit=5.0)
+    _check(out, ref, 2e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("mode", ["independent", "same"])
+@pytest.mark.parametrize("M", [1, 9, 16])
+def test_gpu_async_schedule_ling_shape(M, mode):
+    """fp8_schedule='async' at the Ling shape with the shared expert and clamps, vs the reference."""
+    E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
+    vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=3)
+    routed = (vgu[:E], sgu[:E], vd[:E], sd[:E])
+    shared = (vgu[E], sgu[E], vd[E], sd[E], 5.0)
+    idx, w = _routing(M, k, E, mode, seed=M)
+    x = jax.random.normal(jax.random.PRNGKey(M), (M, D), F32).astype(BF16)
+    out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared, fp8_schedule="async"))(x, idx, w, *routed)
     ref_fn = jax.jit(_reference, static_argnames=("limit", "dtype"))
     ref = ref_fn(x, idx, w, *routed, limit=7.0) + ref_fn(
         x, jnp.full((M, 1), E, jnp.int32), jnp.ones((M, 1), F32), vgu, sgu, vd, sd, limit=5.0)
@@ -449,14 +516,15 @@ def test_timing_entry_point_bf16_cpu_smoke(tmp_path):
 
 @interpret_only
 def test_timing_entry_point_sweep_with_shared_expert(tmp_path):
-    """--shared and a tiling sweep: one row per (split_d, stages) combination, the shared expert's
+    """--shared and a tiling sweep: one row per (split_d, stages, fp8_schedule) combination, the shared expert's
     bytes counted, the gather row only with the first combination, every row matching gather."""
     from bench.moe_kernel_timing import main
     rec = main(["--interpret", "--shared", "--M", "1", "--E", "8", "--D", "256", "--F", "128", "--k", "2",
-                "--split-d", "1,2", "--stages", "1,3", "--limit", "0.05", "--iters", "1", "--warmup", "1",
-                "--no-xla-defaults", "--out-dir", str(tmp_path)])
+                "--split-d", "1,2", "--stages", "3", "--fp8-schedule", "serial,async", "--limit", "0.05",
+                "--iters", "1", "--warmup", "1", "--no-xla-defaults", "--out-dir", str(tmp_path)])
     rows = rec["results"]
-    assert [r["tiling"] for r in rows] == [{"split_d": d, "stages": s} for d in (1, 2) for s in (1, 3)]
+    assert [r["tiling"] for r in rows] == [{"split_d": d, "stages": s, "fp8_schedule": c}
+                                           for d in (1, 2) for s in (3,) for c in ("serial", "async")]
     for i, r in enumerate(rows):
         assert r["shared"] and r["n_experts_used"] == 3                       # 2 routed + the shared one
         assert "kernel_error" not in r and r["finite"] and r["max_abs_err"] <= 2e-2 * r["ref_max"], r

@@ -104,6 +104,40 @@ def test_interpret_pair_schedule_matches_reference(M, K, N, kw):
     _check(out, skinny_gemm_reference(x, w, s), 1e-5)
 
 
+# fp8_schedule='async': the block scale folded into the f16 conversion, WGMMAs left in flight
+ASYNC_CASES = [
+    (1, 256, 256, {}),
+    (9, 384, 256, dict(block_n=128, split_k=1, stages=2)),
+    (16, 512, 192, dict(split_k=2, stages=3)),                # N = 1.5 scale blocks
+]
+
+
+@pytest.mark.parametrize("M,K,N,kw", ASYNC_CASES)
+@interpret_only
+def test_interpret_async_schedule_matches_reference(M, K, N, kw):
+    w, s = _weights(K, N, True, seed=M + K + 1)
+    x = _x(M, K, seed=M)
+    out = jax.block_until_ready(skinny_gemm_pallas(x, w, s, interpret=INTERPRET, out_dtype=F32,
+                                                   fp8_schedule="async", **kw))
+    _assert_no_race_flagged()
+    _check(out, skinny_gemm_reference(x, w, s), 1e-5)   # power-of-two scales: the f16 products are exact
+
+
+@interpret_only
+def test_interpret_async_schedule_rounds_scales_to_f16():
+    """Scales that are not powers of two: 'async' rounds scale * 2**10 and each product to f16
+    (relative 2**-11 each), well inside the bf16 rounding of the model's dequantised weights."""
+    K, N = 256, 128
+    w, s = _weights(K, N, True, seed=11)
+    s = s * jnp.asarray(np.random.default_rng(0).uniform(1.0, 2.0, s.shape), F32)
+    x = _x(3, K, seed=11)
+    out = skinny_gemm_pallas(x, w, s, interpret=INTERPRET, out_dtype=F32, fp8_schedule="async")
+    ref = skinny_gemm_reference(x, w, s)
+    _check(out, ref, 2e-3)
+    exact = skinny_gemm_pallas(x, w, s, interpret=INTERPRET, out_dtype=F32)     # 'serial': exact weights
+    _check(exact, ref, 1e-5)
+
+
 @interpret_only
 def test_interpret_default_out_dtype_is_x_dtype():
     w, s = _weights(256, 128, True, seed=3)
@@ -161,6 +195,7 @@ def test_rejects_bad_inputs():
         (dict(x=x, w=w, scale=s, fp8_schedule="fast"), "fp8_schedule='fast' must be one of"),
         (dict(x=_x(2, 384), w=_weights(384, 128, True)[0], scale=_weights(384, 128, True)[1],
               fp8_schedule="pair", split_k=1), "even number of K tiles per program"),
+        (dict(x=x, w=w, scale=s, fp8_schedule="async", stages=1), "'async' needs stages >= 2"),
     ]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
@@ -216,6 +251,14 @@ def test_pair_schedule_cross_lowers_for_cuda_ling_shape(M, K, N):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("K,N", LING_SHAPES + [(2560, 576)])
+@pytest.mark.parametrize("M", [1, 9])
+def test_async_schedule_cross_lowers_for_cuda_ling_shape(M, K, N):
+    f = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32 if N > 100_000 else None, fp8_schedule="async"))
+    text = f.trace(*_abstract(M, K, N, True)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 # ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
 @gpu_only
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -240,6 +283,16 @@ def test_gpu_pair_schedule_ling_shape_matches_reference(M, K, N):
 
 
 @gpu_only
+@pytest.mark.parametrize("K,N", LING_SHAPES)
+@pytest.mark.parametrize("M", [1, 9, 16])
+def test_gpu_async_schedule_ling_shape_matches_reference(M, K, N):
+    w, s = _weights(K, N, True, seed=1)
+    x = _x(M, K, seed=M)
+    out = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32, fp8_schedule="async"))(x, w, s)
+    _check(out, jax.jit(skinny_gemm_reference)(x, w, s), 1e-4)
+
+
+@gpu_only
 @pytest.mark.parametrize("kw", [dict(block_n=128, split_k=1), dict(block_n=64, split_k=4, stages=2),
                                 dict(block_n=256, stages=2)])
 def test_gpu_tiling_overrides(kw):
@@ -253,9 +306,9 @@ def test_timing_entry_point_cpu_smoke(tmp_path):
     """bench/skinny_gemm_timing.py end to end in interpret mode (tiny shape; times meaningless)."""
     from bench.skinny_gemm_timing import main
     rec = main(["--interpret", "--M", "9", "--shapes", "256x128", "--iters", "1", "--warmup", "1", "--copies", "2",
-                "--fp8-schedule", "serial,pair", "--no-xla-defaults", "--out-dir", str(tmp_path)])
-    assert len(rec["results"]) == 3                            # bf16, fp8 serial, fp8 pair
-    assert [r["tiling"].get("fp8_schedule") for r in rec["results"]] == [None, "serial", "pair"]
+                "--fp8-schedule", "serial,pair,async", "--no-xla-defaults", "--out-dir", str(tmp_path)])
+    assert len(rec["results"]) == 4                            # bf16, fp8 serial, pair, async
+    assert [r["tiling"].get("fp8_schedule") for r in rec["results"]] == [None, "serial", "pair", "async"]
     for r in rec["results"]:
         assert "kernel_error" not in r and "xla_error" not in r, r
         assert r["finite"] and r["max_abs_err"] <= 1e-5 * r["ref_max"]
