@@ -20,7 +20,7 @@ bytes = weights (+ fp8 scales) of the distinct chosen experts (what each must re
 loop_bytes = their mean over the 4 draws; pct_4p3 = loop_bytes / loop time / 4.3 TB/s (the H200's
 copy bandwidth, the targets' yardstick), pct_copy = the same against the copy bandwidth measured
 in-process (bench.batch1.measure_copy_bandwidth). max_abs_err / ref_max: kernel vs gather.
---split-d / --split-f / --stages / --fp8-schedule: one row per combination of the listed overrides (the record's
+--split-d / --split-f / --stages / --fp8-schedule / --fp8-load-layout: one row per combination of the listed overrides (the record's
 `tiling`; the gather row is timed once per M, with the first combination). --shared: the shared
 expert (expert E of E + 1 made) joins as the kernels' last slot; gather adds it as one more
 expert with weight 1 per token.
@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-schedule", default="",
                     help="comma list of fp8 schedules (serial, async; default: the kernel's): 'async' folds "
                          "the block scale into the f16 conversion and leaves each chunk's WGMMA in flight")
+    ap.add_argument("--fp8-load-layout", default="",
+                    help="comma list of register layouts for the fp8 tile loads (wgmma, upcast2x, 8bit; "
+                         "default: pallas_kernels.common's): 2 or 4 bytes per thread and SMEM load")
     ap.add_argument("--shared", action="store_true",
                     help="with a shared expert as one more slot (as the model runs Ling-3.0-flash); its "
                          "weights are one more random expert, its bytes are counted")
@@ -109,7 +112,8 @@ def split_shared(weights, E, limit, shared: bool):
 
 
 def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True) -> dict:
-    """One row: M tokens, kernel `tiling` overrides ({split_d, split_f, stages, fp8_schedule}); weights: the
+    """One row: M tokens, kernel `tiling` overrides ({split_d, split_f, stages, fp8_schedule,
+    fp8_load_layout}); weights: the
     result of `split_shared`."""
     import jax
     import jax.numpy as jnp
@@ -117,6 +121,7 @@ def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True) -> di
     from lingjax.ops.moe import experts_gather
     from lingjax.param_layout import Matrix
     from lingjax.quant import Fp8Weight
+    from pallas_kernels.common import fp8_load_layout_set
     from pallas_kernels.moe_experts import moe_experts_pallas, weight_bytes
     tiling = tiling or {}
     (vgu, sgu, vd, sd), shared = weights
@@ -136,7 +141,11 @@ def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True) -> di
            "shared": a.shared, "tiling": tiling, "n_experts_used": n_used,
            "bytes": weight_bytes(n_used, a.D, a.F, fp8=fp8)}
     rec["floor_us"] = rec["bytes"] / copy_bw * 1e6
-    kern_fn = lambda *xs: moe_experts_pallas(*xs, limit=a.limit, shared=shared, interpret=interpret, **tiling)
+    kw = {k: v for k, v in tiling.items() if k != "fp8_load_layout"}
+
+    def kern_fn(*xs):                 # the load layout is a trace-time setting
+        with fp8_load_layout_set(tiling.get("fp8_load_layout")):
+            return moe_experts_pallas(*xs, limit=a.limit, shared=shared, interpret=interpret, **kw)
     kern = jax.jit(kern_fn)
 
     def gather_fn(x, idx, w, vgu, sgu, vd, sd):     # weights are arguments, not jit constants
@@ -200,6 +209,12 @@ def main(argv=None) -> dict:
     if schedules and a.weights != "fp8":
         ap.error("--fp8-schedule is for --weights fp8")
     grids["fp8_schedule"] = schedules or [None]
+    from pallas_kernels.common import FP8_LOAD_LAYOUTS
+    layouts = [t.strip() for t in a.fp8_load_layout.split(",") if t.strip()]
+    if set(layouts) - set(FP8_LOAD_LAYOUTS) or len(set(layouts)) != len(layouts):
+        ap.error(f"--fp8-load-layout must be a comma list of distinct {', '.join(FP8_LOAD_LAYOUTS)}, "
+                 f"got {a.fp8_load_layout!r}")
+    grids["fp8_load_layout"] = layouts or [None]
     tilings = [{k: v for k, v in zip(grids, combo) if v is not None} for combo in itertools.product(*grids.values())]
     weights = split_shared(make_weights(a.E + a.shared, a.D, a.F, a.seed, a.weights), a.E, a.limit, a.shared)
     results = []

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of fp8 schedules: serial (default), pair (two K tiles per step, the "
                          "second converted under the first's WGMMA), async (block scale folded into the f16 "
                          "conversion, each tile's WGMMA left in flight); bf16 rows ignore it")
+    ap.add_argument("--fp8-load-layout", default="",
+                    help="comma list of register layouts for the fp8 tile loads (wgmma, upcast2x, 8bit; "
+                         "default: pallas_kernels.common's); bf16 rows ignore it")
     ap.add_argument("--iters", type=int, default=50, help="timed calls per row (loop: iterations of 8+ calls)")
     ap.add_argument("--copies", type=int, default=None,
                     help="weight copies cycled in the loop (default: enough for 256 MB, at least 1)")
@@ -104,7 +107,9 @@ def run_row(M, K, N, dtype, ws_copies, tiling, a, interpret, copy_bw) -> dict:
     from pallas_kernels.skinny_gemm import (skinny_gemm_config, skinny_gemm_pallas,
                                             skinny_gemm_reference, weight_bytes)
     fp8 = dtype == "fp8"
-    cfg = skinny_gemm_config(M, K, N, fp8, **{k: v for k, v in tiling.items() if k != "fp8_schedule"})
+    from pallas_kernels.common import fp8_load_layout_set
+    cfg = skinny_gemm_config(M, K, N, fp8, **{k: v for k, v in tiling.items()
+                                              if k not in ("fp8_schedule", "fp8_load_layout")})
     rec = {"M": M, "K": K, "N": N, "dtype": dtype, "tiling": tiling,
            "config": {"block_n": cfg.block_n, "split_k": cfg.split_k, "stages": cfg.stages,
                       "m_pad": cfg.m_pad, "smem_bytes": cfg.smem_bytes},
@@ -115,7 +120,11 @@ def run_row(M, K, N, dtype, ws_copies, tiling, a, interpret, copy_bw) -> dict:
     ws = (w, s) if fp8 else (w,)
     sets = [(x, *((wc, sc) if fp8 else (wc,))) for wc, sc in ws_copies]
     rec["copies"] = len(sets)
-    kern_fn = lambda x, *ws: skinny_gemm_pallas(x, *ws, interpret=interpret, **tiling)
+    kw = {k: v for k, v in tiling.items() if k != "fp8_load_layout"}
+
+    def kern_fn(x, *ws, out_dtype=None):      # the load layout is a trace-time setting
+        with fp8_load_layout_set(tiling.get("fp8_load_layout")):
+            return skinny_gemm_pallas(x, *ws, interpret=interpret, out_dtype=out_dtype, **kw)
     fns = [("kernel", kern_fn)]
     if not a.no_xla:
         if fp8:
@@ -128,8 +137,7 @@ def run_row(M, K, N, dtype, ws_copies, tiling, a, interpret, copy_bw) -> dict:
         rec[f"{name}_us"], rec[f"{name}_pipelined_us"] = med * 1e6, piped * 1e6
     loop_timing(fns, sets, a.iters, rec, rec["bytes"], copy_bw, smoke=bool(interpret))
     if "kernel_us" in rec:
-        out = np.asarray(jax.jit(lambda x, *ws: skinny_gemm_pallas(
-            x, *ws, interpret=interpret, out_dtype=jnp.float32, **tiling))(x, *ws))
+        out = np.asarray(jax.jit(lambda x, *ws: kern_fn(x, *ws, out_dtype=jnp.float32))(x, *ws))
         ref = np.asarray(jax.jit(skinny_gemm_reference)(x, w, s))
         rec["max_abs_err"] = float(np.abs(out - ref).max())
         rec["ref_max"] = float(np.abs(ref).max())
@@ -140,6 +148,7 @@ def run_row(M, K, N, dtype, ws_copies, tiling, a, interpret, copy_bw) -> dict:
 def _line(r) -> str:
     line = (f"{r['dtype']} {r['K']}x{r['N']} M={r['M']} ("
             + (f"{r['tiling']['fp8_schedule']}, " if "fp8_schedule" in r["tiling"] else "")
+            + (f"{r['tiling']['fp8_load_layout']} loads, " if "fp8_load_layout" in r["tiling"] else "")
             + f"bn {r['config']['block_n']}, split "
             f"{r['config']['split_k']}, stages {r['config']['stages']}): {r['bytes'] / 1e6:.1f} MB, "
             f"floor {r['floor_us']:.1f} us")
@@ -176,6 +185,12 @@ def main(argv=None) -> dict:
     tilings = [{k: v for k, v in zip(grids, combo) if v is not None}
                for combo in itertools.product(*grids.values())]
     from pallas_kernels.skinny_gemm import FP8_SCHEDULES
+    from pallas_kernels.common import FP8_LOAD_LAYOUTS
+    layouts = [t.strip() for t in a.fp8_load_layout.split(",") if t.strip()]
+    if set(layouts) - set(FP8_LOAD_LAYOUTS) or len(set(layouts)) != len(layouts):
+        ap.error(f"--fp8-load-layout must be a comma list of distinct {', '.join(FP8_LOAD_LAYOUTS)}, "
+                 f"got {a.fp8_load_layout!r}")
+    layouts = layouts or [None]
     schedules = [t.strip() for t in a.fp8_schedule.split(",") if t.strip()]
     if not schedules or set(schedules) - set(FP8_SCHEDULES) or len(set(schedules)) != len(schedules):
         ap.error(f"--fp8-schedule must be a comma list of distinct {', '.join(FP8_SCHEDULES)}, got {a.fp8_schedule!r}")
@@ -198,8 +213,9 @@ def main(argv=None) -> dict:
             nbytes = weight_bytes(K, N, jnp.float8_e4m3fn if dtype == "fp8" else jnp.bfloat16)
             copies = [make_weights(K, N, dtype == "fp8", a.seed + j) for j in range(n_copies(nbytes, a.copies))]
             for M in Ms:
-                for tiling in ([dict(t, fp8_schedule=sc) for t in tilings for sc in schedules] if dtype == "fp8"
-                               else tilings):
+                fp8_rows = [dict(t, fp8_schedule=sc, **({"fp8_load_layout": ly} if ly else {}))
+                            for t in tilings for sc in schedules for ly in layouts]
+                for tiling in (fp8_rows if dtype == "fp8" else tilings):
                     try:
                         rec = run_row(M, K, N, dtype, copies, tiling, a, interpret, copy_bw)
                     except ValueError as e:     # a tiling override that does not fit this shape

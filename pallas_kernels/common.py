@@ -1,6 +1,8 @@
 """Small helpers the Mosaic GPU kernels share (jax 0.11.2 and 0.12 differences kept here)."""
 from __future__ import annotations
 
+import contextlib
+
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -38,3 +40,34 @@ def f16_rows(x, rows: int):
     e = jnp.where(jnp.isfinite(xf).all(axis=1), e, 0)
     xs = jnp.ldexp(xf, (X_TOP_EXP - e)[:, None]).astype(jnp.float16)
     return jnp.zeros((rows, K), jnp.float16).at[:M].set(xs), e
+
+
+# Register layout of the SMEM loads that bring an fp8 weight tile to registers (for conversion to a
+# 16-bit WGMMA tile). "wgmma": the WGMMA layout, two e4m3 values (2 bytes) per thread and load;
+# "upcast2x" (WGMMA_UPCAST_2X) and "8bit" (WGMMA_8BIT): four values (4 bytes) per load, half the
+# SMEM load instructions; the converted 16-bit values are stored from the same layout. A trace-time
+# setting (bench/moe_kernel_timing.py and bench/skinny_gemm_timing.py --fp8-load-layout sweep it).
+FP8_LOAD_LAYOUTS = ("wgmma", "upcast2x", "8bit")
+fp8_load_layout = "wgmma"
+
+
+def load_fp8(ref):
+    """fp8 SMEM tile [rows, cols] -> registers in the layout `fp8_load_layout` names."""
+    layout = {"wgmma": plgpu.Layout.WGMMA, "upcast2x": plgpu.Layout.WGMMA_UPCAST_2X,
+              "8bit": plgpu.Layout.WGMMA_8BIT}[fp8_load_layout]
+    return plgpu.load(ref, layout=layout)
+
+
+@contextlib.contextmanager
+def fp8_load_layout_set(name: str | None):
+    """Trace the kernels inside with ``fp8_load_layout = name`` (None: leave it as it is)."""
+    global fp8_load_layout
+    if name is not None and name not in FP8_LOAD_LAYOUTS:
+        raise ValueError(f"fp8 load layout {name!r} must be one of {FP8_LOAD_LAYOUTS}")
+    old = fp8_load_layout
+    fp8_load_layout = name or old
+    try:
+        yield
+    finally:
+        fp8_load_layout = old
+

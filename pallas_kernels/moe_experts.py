@@ -91,7 +91,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import SCALE_SHIFT, X_TOP_EXP, f16_rows, store, swizzled
+from pallas_kernels.common import SCALE_SHIFT, X_TOP_EXP, f16_rows, load_fp8, store, swizzled
 
 __all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "moe_experts_pallas", "moe_split", "dedupe_experts", "weight_bytes"]
 
@@ -214,7 +214,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
             def step(idxs, g8_s, u8_s, x_s, carry):
                 (i,) = idxs
                 for c, src in enumerate((g8_s, u8_s)):       # e4m3 -> f16 is exact
-                    wb_s.at[c][...] = plgpu.load(src, layout=_WG).astype(_F16)
+                    wb_s.at[c][...] = load_fp8(src).astype(_F16)
                 plgpu.commit_smem()
 
                 def mma(acc_g, acc_u):
@@ -243,7 +243,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
                 def step(idxs, g8_s, u8_s, x_s):
                     (i,) = idxs
                     k = p * kps + i
-                    vs = [plgpu.load(src, layout=_WG).astype(_F16) * s_s[c, k].astype(_F16)
+                    vs = [load_fp8(src).astype(_F16) * s_s[c, k].astype(_F16)
                           for c, src in enumerate((g8_s, u8_s))]
                     plgpu.wgmma_wait(0)              # the previous chunk's WGMMAs have read wb_s
                     for c in range(2):
@@ -352,7 +352,7 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp
                 def step(idxs, w_s, a_s):
                     (i,) = idxs
                     if fp8:      # dequantise the fp8 chunk into the swizzled bf16 tile
-                        v = plgpu.load(w_s, layout=_WG)                   # swizzled fp8 tile
+                        v = load_fp8(w_s)                                 # swizzled fp8 tile
                         v = (v.astype(_F32) * s_s[p * kps + i, (j * TD) // BLOCK]).astype(_BF)
                         if fp8_async:
                             plgpu.wgmma_wait(0)      # the previous chunk's WGMMA has read wb_s

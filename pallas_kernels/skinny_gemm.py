@@ -77,7 +77,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import SCALE_SHIFT, X_TOP_EXP, f16_rows, store, swizzled
+from pallas_kernels.common import SCALE_SHIFT, X_TOP_EXP, f16_rows, load_fp8, store, swizzled
 
 __all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "SkinnyConfig", "skinny_gemm_config", "skinny_gemm_pallas",
            "skinny_gemm_reference", "weight_bytes"]
@@ -187,7 +187,7 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
 
             def step(idxs, w8_s, x_s, carry):
                 (i,) = idxs
-                v = plgpu.load(w8_s, layout=_WG)                # fp8 [128, bn]
+                v = load_fp8(w8_s)                              # fp8 [128, bn]
                 wb_s[...] = v.astype(_F16)                      # exact, one cvt per 2 values
                 plgpu.commit_smem()
 
@@ -221,12 +221,12 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
 
             def step(idxs, wa_s, wb8_s, xa_s, xb_s, carry):
                 (i,) = idxs
-                wb_s.at[0][...] = plgpu.load(wa_s, layout=_WG).astype(_F16)
+                wb_s.at[0][...] = load_fp8(wa_s).astype(_F16)
                 plgpu.commit_smem()
 
                 def mma(acc_a, acc_b):
                     plgpu.wgmma(acc_a, wb_s.at[0].T, xa_s.T)             # in flight while ...
-                    wb_s.at[1][...] = plgpu.load(wb8_s, layout=_WG).astype(_F16)   # ... b converts
+                    wb_s.at[1][...] = load_fp8(wb8_s).astype(_F16)   # ... b converts
                     plgpu.commit_smem()
                     plgpu.wgmma(acc_b, wb_s.at[1].T, xb_s.T)
                     plgpu.wgmma_wait(0)
@@ -261,7 +261,7 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
                 def step(idxs, w8_s, x_s):
                     (i,) = idxs
                     pl.when(i == 0)(lambda: plgpu.barrier_wait(bar.at[0]))
-                    v = plgpu.load(w8_s, layout=_WG).astype(_F16) * s_s[s * kps + i].astype(_F16)
+                    v = load_fp8(w8_s).astype(_F16) * s_s[s * kps + i].astype(_F16)
                     plgpu.wgmma_wait(0)                     # the previous tile's WGMMA has read wb_s
                     wb_s[...] = v
                     plgpu.commit_smem()
