@@ -48,7 +48,7 @@ def f16_rows(x, rows: int):
 # SMEM load instructions; the converted 16-bit values are stored from the same layout. A trace-time
 # setting (bench/moe_kernel_timing.py and bench/skinny_gemm_timing.py --fp8-load-layout sweep it).
 FP8_LOAD_LAYOUTS = ("wgmma", "upcast2x", "8bit")
-fp8_load_layout = "wgmma"
+fp8_load_layout = "8bit"    # H200, session 8: 3-5% faster than "wgmma" (docs/PERFORMANCE.md)
 
 
 def load_fp8(ref):

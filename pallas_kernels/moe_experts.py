@@ -178,7 +178,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
     ds = kps * BLOCK
     col = _WG.reduce(0)                       # [MAX_M] per-token vectors
 
-    def body(uniq_g, x_g, w_g, *refs):
+    def moe_gate_up(uniq_g, x_g, w_g, *refs):
         if shared:
             wsh_g, *refs = refs
         if fp8:
@@ -302,7 +302,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
                plgpu.SMEM((MAX_M,), _F32),                              # the tokens' x scales
                out_tile, plgpu.Barrier(num_barriers=2)) if fp8 else (out_tile,)
     kernel = plgpu.kernel(
-        body,
+        moe_gate_up,        # the function name is the kernel name in profiles
         out_type=out_type,
         scratch_types=scratch,
         grid=(U, F // TF, split),
@@ -328,7 +328,7 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp
     kps = F // BLOCK // split                 # F chunks per program
     fs = kps * BLOCK
 
-    def body(uniq_g, act_g, w_g, *refs):
+    def moe_down(uniq_g, act_g, w_g, *refs):
         if shared:
             wsh_g, *refs = refs
         if fp8:
@@ -396,7 +396,7 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp
                plgpu.SMEM(su_d.shape[1:], _F32),                        # this expert's scales
                out_tile, plgpu.Barrier(num_barriers=1)) if fp8 else (out_tile,)
     kernel = plgpu.kernel(
-        body,
+        moe_down,
         out_type=jax.ShapeDtypeStruct((split, U, D, MAX_M), _F32),
         scratch_types=scratch,
         grid=(U, D // TD, split),
