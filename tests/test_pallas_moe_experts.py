@@ -397,6 +397,29 @@ def test_cross_lowers_for_cuda_with_shared_expert(M, kind):
     assert text.count("mosaic_gpu") >= 2
 
 
+@pytest.mark.parametrize("layout", ["wgmma", "upcast2x"])      # the default, 8bit, is covered above
+@pytest.mark.parametrize("M", [1, 9])
+def test_fp8_load_layouts_cross_lower_for_cuda(M, layout):
+    from pallas_kernels.common import fp8_load_layout_set
+    with fp8_load_layout_set(layout):
+        text = jax.jit(moe_experts_pallas).trace(*_ling_abstract(M)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2
+
+
+def test_fp8_load_layout_set_restores_and_checks():
+    from pallas_kernels import common
+    before = common.fp8_load_layout
+    with common.fp8_load_layout_set("upcast2x"):
+        assert common.fp8_load_layout == "upcast2x"
+        with common.fp8_load_layout_set(None):                  # None: leave it as it is
+            assert common.fp8_load_layout == "upcast2x"
+    assert common.fp8_load_layout == before
+    with pytest.raises(ValueError, match="'16bit' must be one of"):
+        with common.fp8_load_layout_set("16bit"):
+            pass
+    assert common.fp8_load_layout == before
+
+
 @pytest.mark.parametrize("M", [1, 9])
 def test_async_schedule_cross_lowers_for_cuda_with_shared_expert(M):
     D, F = LING["D"], LING["F"]
@@ -494,8 +517,10 @@ def test_timing_entry_point_cpu_smoke(tmp_path):
     """bench/moe_kernel_timing.py end to end in interpret mode (tiny shape; times meaningless)."""
     from bench.moe_kernel_timing import main
     rec = main(["--interpret", "--M", "2", "--E", "8", "--D", "256", "--F", "128", "--k", "2",
-                "--iters", "1", "--warmup", "1", "--no-xla-defaults", "--out-dir", str(tmp_path)])
+                "--fp8-load-layout", "upcast2x", "--iters", "1", "--warmup", "1", "--no-xla-defaults",
+                "--out-dir", str(tmp_path)])
     (r,) = rec["results"]
+    assert r["tiling"] == {"fp8_load_layout": "upcast2x"}
     assert "kernel_error" not in r and "gather_error" not in r, r
     assert r["finite"] and r["max_abs_err"] <= 2e-2 * r["ref_max"]
     assert r["bytes"] == r["n_experts_used"] * (3 * 256 * 128 + 3 * 2 * 1 * 4)
@@ -529,3 +554,12 @@ def test_timing_entry_point_sweep_with_shared_expert(tmp_path):
         assert r["shared"] and r["n_experts_used"] == 3                       # 2 routed + the shared one
         assert "kernel_error" not in r and r["finite"] and r["max_abs_err"] <= 2e-2 * r["ref_max"], r
         assert ("gather_us" in r) == (i == 0)
+
+
+def test_timing_entry_point_rejects_bad_sweeps(capsys):
+    from bench.moe_kernel_timing import main
+    for flag, value, msg in (("--fp8-load-layout", "16bit", "--fp8-load-layout must be"),
+                             ("--fp8-schedule", "pair", "--fp8-schedule must be")):
+        with pytest.raises(SystemExit):
+            main(["--interpret", flag, value, "--no-xla-defaults"])
+        assert msg in capsys.readouterr().err

@@ -259,6 +259,16 @@ def test_async_schedule_cross_lowers_for_cuda_ling_shape(M, K, N):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("layout", ["wgmma", "upcast2x"])      # the default, 8bit, is covered above
+@pytest.mark.parametrize("schedule", ["serial", "async"])
+def test_fp8_load_layouts_cross_lower_for_cuda(schedule, layout):
+    from pallas_kernels.common import fp8_load_layout_set
+    f = jax.jit(lambda *a: skinny_gemm_pallas(*a, fp8_schedule=schedule))
+    with fp8_load_layout_set(layout):
+        text = f.trace(*_abstract(9, 2560, 20480, True)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 # ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
 @gpu_only
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -306,9 +316,11 @@ def test_timing_entry_point_cpu_smoke(tmp_path):
     """bench/skinny_gemm_timing.py end to end in interpret mode (tiny shape; times meaningless)."""
     from bench.skinny_gemm_timing import main
     rec = main(["--interpret", "--M", "9", "--shapes", "256x128", "--iters", "1", "--warmup", "1", "--copies", "2",
-                "--fp8-schedule", "serial,pair,async", "--no-xla-defaults", "--out-dir", str(tmp_path)])
-    assert len(rec["results"]) == 4                            # bf16, fp8 serial, pair, async
-    assert [r["tiling"].get("fp8_schedule") for r in rec["results"]] == [None, "serial", "pair", "async"]
+                "--fp8-schedule", "serial,pair,async", "--fp8-load-layout", "8bit,wgmma", "--no-xla-defaults",
+                "--out-dir", str(tmp_path)])
+    assert len(rec["results"]) == 7                            # bf16, fp8 serial, pair, async x 2 layouts
+    assert [(r["tiling"].get("fp8_schedule"), r["tiling"].get("fp8_load_layout")) for r in rec["results"]] == \
+        [(None, None)] + [(s, ly) for s in ("serial", "pair", "async") for ly in ("8bit", "wgmma")]
     for r in rec["results"]:
         assert "kernel_error" not in r and "xla_error" not in r, r
         assert r["finite"] and r["max_abs_err"] <= 1e-5 * r["ref_max"]
@@ -317,3 +329,10 @@ def test_timing_entry_point_cpu_smoke(tmp_path):
     assert len(list(tmp_path.glob("skinny_gemm_timing-*.json"))) == 1      # the partial file is removed
     for r in rec["results"]:
         assert r["copies"] == 2 and r["kernel_loop_us"] > 0 and "loop_overhead_us" in r
+
+
+def test_timing_entry_point_rejects_bad_load_layout(capsys):
+    from bench.skinny_gemm_timing import main
+    with pytest.raises(SystemExit):
+        main(["--interpret", "--fp8-load-layout", "wgmma,wgmma", "--no-xla-defaults"])
+    assert "--fp8-load-layout must be a comma list of distinct" in capsys.readouterr().err
