@@ -29,7 +29,7 @@ Design
   stages), multiplied on the tensor cores with the **weight tile as A** (transposed SMEM operand,
   64 output features as WGMMA rows) and the 16 padded tokens as B (the x chunk [16, 128],
   transposed SMEM operand): ``acc[f, m] += sum_d W[d, f] x[m, d]`` in fp32. fp8 chunks (swizzled
-  TMA tiles) are converted to **float16** in registers (exact: sm_90 converts e4m3 -> f16 in
+  TMA tiles, loaded to registers 4 bytes per thread: ``common.load_fp8``) are converted to **float16** in registers (exact: sm_90 converts e4m3 -> f16 in
   hardware, two values per instruction), stored to a swizzled f16 tile and multiplied into a
   fresh accumulator that the chunk's block scale then weights into a float32 carry (as in
   skinny_gemm); the tokens are f16 too, each row of x scaled in XLA by a power of two that puts
@@ -40,6 +40,11 @@ Design
   experts x 12 column tiles = 96 programs of 20 serial chunks would leave most SMs idle, so
   `moe_split` picks 4: 384 programs of 5 chunks) the programs write float32 partial gate / up
   products and XLA sums them and applies SwiGLU in the fusion that also transposes act.
+* ``fp8_schedule='async'`` (opt-in, not faster on the H200): kernel 1 multiplies each converted f16
+  tile by f16(scale * 2**SCALE_SHIFT) in registers (one accumulator, no per-chunk product), both
+  kernels leave each chunk's WGMMA in flight while the next chunk converts (the pipeline releases a
+  chunk's buffers one step late). The f16 rounding of scale and product (2**-11 relative each) is
+  finer than the reference's bf16 dequantisation; block scales must stay below 0.14 (common.py).
 * An XLA transpose ``act -> [U, 16, F]`` (U*F*16*2 bytes) between the kernels: WGMMA B with
   N = 16 lowers only as a transposed (K-minor) operand, and a register tile cannot be stored
   transposed (both checked by cross-lowering, jax 0.11.2 and 0.12).
@@ -68,10 +73,13 @@ M = 9 with random routing ~ 67 distinct experts ~ 395 MB -> 92 us. bf16: twice t
 Status: runs on the H200 (jax 0.11.2): its GPU tests pass at the Ling shape (M in {1, 9, 16},
 independent / shared experts, the SwiGLU clamp, zero-weight slots; tests/test_pallas_moe_experts.py).
 In-loop time (bench/moe_kernel_timing.py, docs/PERFORMANCE.md): bf16 M=1 35 us (63% of 4.3
-TB/s), M=9 207 us (90%; session 4, without the XLA prologue); fp8 (session 7, prologue included,
-f16 gate/up tiles, split reductions at M=1) M=1 45 us (24%), M=9 182 us (51%): not memory-bound;
-neither the split nor the f16 tiles moved the M=9 time much, so the serial per-chunk chain
-(convert, store, fence, WGMMA, wait) with ~2 programs per SM is the suspect. On CPU (CI):
+TB/s), M=9 207 us (90%; session 4, without the XLA prologue); fp8 (session 8, prologue and shared
+expert included, 4-byte fp8 loads) M=1 45 us (28%), M=9 178 us (53%). Not memory-bound: Nsight
+Compute (session 8, M=9) puts kernel 1 at 58% of DRAM and 70% of the L1/shared-memory pipe with
+2 CTAs of one warpgroup per SM (98 KiB of SMEM each): every fp8 byte crosses shared memory three
+times (TMA in, to registers, as f16 into the WGMMA tile). Leaving the WGMMAs in flight
+(``fp8_schedule='async'``) did not help (M=9 177 vs 186 us, M=1 equal); the next step is the weight
+tile as a register A operand, which needs the weights with D minor (PERFORMANCE.md). On CPU (CI):
 interpret mode with race detection against ``experts_gather`` (unselected experts and experts chosen only with weight 0
 poisoned with NaN) and cross-lowering for CUDA at the Ling shape. Tile sizes and
 pipeline depth are first guesses (bf16 could take longer K chunks); per chunk the

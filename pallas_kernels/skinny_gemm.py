@@ -39,6 +39,13 @@ Design
   wait, and both products are scaled into the carry. Half the steps, each converting one tile
   under an MMA; the pipeline keeps max(2, stages // 2) steps in flight (one program per SM
   at bn = 128: two f16 buffers of 32 KiB).
+* fp8 ``fp8_schedule='async'`` (opt-in; on the H200 not faster than 'serial', session 8): the
+  block scale multiplies the converted f16 tile in registers (f16(scale * 2**SCALE_SHIFT), one
+  accumulator for the whole K range) and each tile's WGMMA stays in flight while the next tile
+  converts (buffers released one pipeline step late; stages >= 2). Rounds scale and products to
+  f16 (2**-11 relative), finer than the model's bf16 dequantisation.
+* fp8 tiles come from SMEM to registers 4 bytes per thread (``common.load_fp8``, session 8: 2-5%
+  faster than the WGMMA layout's 2 bytes).
 * Output: a [bn, m_pad] tile per program, TMA'd to ``part [split_k, N, m_pad]`` (float32 when
   split_k > 1 or fp8, else out_dtype); XLA then sums the splits and transposes ``[:, :M]`` to [M, N]
   (``split_k * N * m_pad * 4`` bytes, ~1-5% of the weight bytes at the Ling shapes).
