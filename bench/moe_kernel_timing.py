@@ -3,6 +3,7 @@
     python -m bench.moe_kernel_timing --M 1,9 [--weights fp8|bf16] [--iters 50] [--out-dir DIR]
     python -m bench.moe_kernel_timing --M 1,9 --shared --stages 2,3,4 --split-d 1,2,4 --no-gather  # sweep
     python -m bench.moe_kernel_timing --M 1,9 --shared --fp8-schedule serial,async --no-gather
+    python -m bench.moe_kernel_timing --M 1,9 --shared --k-minor      # register A operands (fp8)
     python -m bench.moe_kernel_timing --interpret --M 1,3 --E 16 --D 256 --F 128 --k 4 --iters 1  # CPU smoke
 
 Shape (default Ling-3.0-flash): E=512 experts, D=2560, F=768, top-k 8; --weights fp8 (default):
@@ -60,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-load-layout", default="",
                     help="comma list of register layouts for the fp8 tile loads (wgmma, upcast2x, 8bit; "
                          "default: pallas_kernels.common's): 2 or 4 bytes per thread and SMEM load")
+    ap.add_argument("--k-minor", action="store_true",
+                    help="expert weights with the contraction axis minor ([E,2,F,D] / [E,D,F], the published "
+                         "checkpoint's orientation: fp8 tiles become register WGMMA operands); the gather "
+                         "row is not timed, the error check still runs on the weights transposed back")
     ap.add_argument("--shared", action="store_true",
                     help="with a shared expert as one more slot (as the model runs Ling-3.0-flash); its "
                          "weights are one more random expert, its bytes are counted")
@@ -111,10 +116,29 @@ def split_shared(weights, E, limit, shared: bool):
     return routed, sh
 
 
-def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True) -> dict:
+def k_minor_weights(weights):
+    """`split_shared`'s (routed, shared) -> the same weights with the contraction axis minor
+    (moe_experts_pallas(k_minor=True)): w_gate_up [E,D,2,F] -> [E,2,F,D], w_down [E,F,D] -> [E,D,F],
+    scales likewise."""
+    import jax
+    import jax.numpy as jnp
+
+    def one(vgu, sgu, vd, sd, experts_axis: bool):     # False: the shared expert's [D, 2, F] / [F, D]
+        perm = (0, 2, 3, 1) if experts_axis else (1, 2, 0)
+        return (jnp.transpose(vgu, perm), None if sgu is None else jnp.swapaxes(sgu, -1, -2),
+                jnp.swapaxes(vd, -1, -2), None if sd is None else jnp.swapaxes(sd, -1, -2))
+
+    routed, shared = weights
+    routed = jax.block_until_ready(jax.jit(lambda *w: one(*w, True))(*routed))
+    if shared is not None:
+        shared = (*jax.block_until_ready(jax.jit(lambda *w: one(*w, False))(*shared[:4])), shared[4])
+    return routed, shared
+
+
+def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True, kernel_weights=None) -> dict:
     """One row: M tokens, kernel `tiling` overrides ({split_d, split_f, stages, fp8_schedule,
-    fp8_load_layout}); weights: the
-    result of `split_shared`."""
+    fp8_load_layout}); weights: the result of `split_shared` (for the gather path, and the
+    kernel's unless kernel_weights, the same in `k_minor_weights`' layout, are given)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -125,6 +149,7 @@ def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True) -> di
     from pallas_kernels.moe_experts import moe_experts_pallas, weight_bytes
     tiling = tiling or {}
     (vgu, sgu, vd, sd), shared = weights
+    k_routed, k_shared = kernel_weights or weights
     rng = np.random.default_rng(a.seed + M)
 
     def draw(j):
@@ -145,7 +170,8 @@ def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True) -> di
 
     def kern_fn(*xs):                 # the load layout is a trace-time setting
         with fp8_load_layout_set(tiling.get("fp8_load_layout")):
-            return moe_experts_pallas(*xs, limit=a.limit, shared=shared, interpret=interpret, **kw)
+            return moe_experts_pallas(*xs, limit=a.limit, shared=k_shared, k_minor=kernel_weights is not None,
+                                      interpret=interpret, **kw)
     kern = jax.jit(kern_fn)
 
     def gather_fn(x, idx, w, vgu, sgu, vd, sd):     # weights are arguments, not jit constants
@@ -165,17 +191,18 @@ def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True) -> di
         return experts_gather(x, idx, w, fgu, fd, a.limit)
 
     gather = jax.jit(gather_fn)
-    fns = [("kernel", kern_fn)] + ([] if a.no_gather or not gather_row else [("gather", gather_fn)])
-    args = (x, idx, w, vgu, sgu, vd, sd)
+    timed_gather = gather_row and not a.no_gather and kernel_weights is None   # the same arguments as the kernel
+    fns = [("kernel", kern_fn)] + ([("gather", gather_fn)] if timed_gather else [])
+    args = (x, idx, w, *k_routed)
     for name, (med, piped) in time_rows([(n, jax.jit(f), args) for n, f in fns], a.iters, a.warmup,
                                         rec).items():
         rec[f"{name}_us"], rec[f"{name}_pipelined_us"] = med * 1e6, piped * 1e6
-    sets = [(xj, ij, wj, vgu, sgu, vd, sd) for xj, ij, wj in draws]
+    sets = [(xj, ij, wj, *k_routed) for xj, ij, wj in draws]
     # every draw is called equally often (8 calls per iteration, or 4 in a smoke run, over 4 draws)
     rec["loop_bytes"] = float(np.mean([weight_bytes(n, a.D, a.F, fp8=fp8) for n in used]))
     loop_timing(fns, sets, a.iters, rec, rec["loop_bytes"], copy_bw, smoke=bool(interpret))
     if "kernel_us" in rec:
-        out = np.asarray(kern(x, idx, w, vgu, sgu, vd, sd), np.float32)
+        out = np.asarray(kern(x, idx, w, *k_routed), np.float32)
         ref = np.asarray(gather(x, idx, w, vgu, sgu, vd, sd), np.float32)
         rec["max_abs_err"] = float(np.abs(out - ref).max())
         rec["ref_max"] = float(np.abs(ref).max())
@@ -217,11 +244,14 @@ def main(argv=None) -> dict:
     grids["fp8_load_layout"] = layouts or [None]
     tilings = [{k: v for k, v in zip(grids, combo) if v is not None} for combo in itertools.product(*grids.values())]
     weights = split_shared(make_weights(a.E + a.shared, a.D, a.F, a.seed, a.weights), a.E, a.limit, a.shared)
+    kernel_weights = k_minor_weights(weights) if a.k_minor else None
     results = []
     for M, (n_tiling, tiling) in itertools.product(Ms, enumerate(tilings)):
-        rec = run_M(M, a, weights, interpret, copy_bw, tiling, gather_row=n_tiling == 0)
+        rec = run_M(M, a, weights, interpret, copy_bw, tiling, gather_row=n_tiling == 0,
+                    kernel_weights=kernel_weights)
+        rec["k_minor"] = a.k_minor
         results.append(rec)
-        line = (f"M={M}{' +shared' if a.shared else ''} {tiling or 'default tiling'}: {rec['n_experts_used']} "
+        line = (f"M={M}{' +shared' if a.shared else ''}{' k-minor' if a.k_minor else ''} {tiling or 'default tiling'}: {rec['n_experts_used']} "
                 f"experts, {rec['bytes'] / 1e6:.1f} MB, floor {rec['floor_us']:.1f} us")
         for n in ("kernel", "gather"):
             if n + "_loop_us" in rec:

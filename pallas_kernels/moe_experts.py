@@ -45,6 +45,15 @@ Design
   kernels leave each chunk's WGMMA in flight while the next chunk converts (the pipeline releases a
   chunk's buffers one step late). The f16 rounding of scale and product (2**-11 relative each) is
   finer than the reference's bf16 dequantisation; block scales must stay below 0.14 (common.py).
+* ``k_minor=True`` (session 8; CPU-checked, not yet run on a GPU): the weights with the
+  contraction axis minor (w_gate_up [E, 2, F, D], w_down [E, D, F]: the published checkpoint's
+  orientation). Each tile [64, 128] then lies as a WGMMA A operand wants it: bf16 tiles go from the
+  TMA buffer unchanged; fp8 tiles are loaded 4 bytes per thread, converted (kernel 1: exact f16;
+  kernel 2: f32 * scale -> bf16) and relaid to the WGMMA layout in registers, and the WGMMA takes
+  A from registers: no 16-bit SMEM tile, a third of the shared-memory traffic, and SMEM for 3 CTAs
+  per SM. Kernel 2 then owns 64 rows of D per program (the register tile). Mosaic GPU's interpret
+  mode (jax 0.12) cannot take a register A operand, so there the operand goes through an SMEM tile
+  (`_a_operand`); the register path itself is checked by cross-lowering (and, next, the H200).
 * An XLA transpose ``act -> [U, 16, F]`` (U*F*16*2 bytes) between the kernels: WGMMA B with
   N = 16 lowers only as a transposed (K-minor) operand, and a register tile cannot be stored
   transposed (both checked by cross-lowering, jax 0.11.2 and 0.12).
@@ -79,7 +88,8 @@ Compute (session 8, M=9) puts kernel 1 at 58% of DRAM and 70% of the L1/shared-m
 2 CTAs of one warpgroup per SM (98 KiB of SMEM each): every fp8 byte crosses shared memory three
 times (TMA in, to registers, as f16 into the WGMMA tile). Leaving the WGMMAs in flight
 (``fp8_schedule='async'``) did not help (M=9 177 vs 186 us, M=1 equal); the next step is the weight
-tile as a register A operand, which needs the weights with D minor (PERFORMANCE.md). On CPU (CI):
+tile as a register A operand, which needs the weights with D minor (``k_minor=True``, above; the
+model and converter still use the default layout). On CPU (CI):
 interpret mode with race detection against ``experts_gather`` (unselected experts and experts chosen only with weight 0
 poisoned with NaN) and cross-lowering for CUDA at the Ling shape. Tile sizes and
 pipeline depth are first guesses (bf16 could take longer K chunks); per chunk the
@@ -107,6 +117,7 @@ MAX_M = 16          # tokens per call (decode or a speculative verify block); al
 BLOCK = 128         # fp8 scale block (both dims) = K chunk of every matmul
 TF = 64             # kernel 1: F columns per program (WGMMA M rows of the gate and up tiles)
 TD = 128            # kernel 2: D columns per program (WGMMA M rows)
+TD_K_MINOR = 64     # kernel 2 with k-minor weights: D rows per program (the A tile in registers)
 STAGES = 3          # TMA pipeline depth (default of `stages`)
 FP8_SCHEDULES = ("serial", "async")
 N_SMS = 132         # H200: the splits below aim at >= 2 programs per SM
@@ -162,8 +173,27 @@ def _split(programs: int, chunks: int, min_chunks: int) -> int:
     return full[0] if full else divs[-1]
 
 
+def _a_regs(tile_ref, scale=None, dtype=_F16):
+    """fp8 weight tile [rows, K] (K minor, swizzled) -> the WGMMA A operand in registers: loaded 4
+    bytes per thread (WGMMA_UPCAST_2X), converted (fp8 -> f16 exact; or -> f32, * scale, -> dtype),
+    relaid to the WGMMA layout (one warp shuffle per 4 values)."""
+    v = plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
+    v = v.astype(dtype) if scale is None else (v.astype(_F32) * scale).astype(dtype)
+    return plgpu.layout_cast(v, _WG)
+
+
+def _a_operand(a, tile_ref, interpret):
+    """The A operand for plgpu.wgmma: the registers `a` on the GPU; in interpret mode (whose wgmma
+    takes SMEM operands only, jax 0.12) `a` stored to the SMEM tile `tile_ref` (same values)."""
+    if not interpret:
+        return a
+    store(tile_ref, a)
+    plgpu.commit_smem()
+    return tile_ref
+
+
 def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_shared=None, x_scale=None,
-             fp8_async=False):
+             fp8_async=False, k_minor=False):
     """Kernel 1 -> act [U, F, MAX_M] bf16 (split == 1), or (split > 1) the partial gate and up
     products [split, U, 2, F, MAX_M] float32 over split ranges of D, summed and SwiGLU'd by the
     caller (fp8: still to be multiplied by x_scale per token). Rows of padding slots are left
@@ -175,8 +205,14 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
     float32 undoes it); su_gu the slots' block scales; each fp8 tile is converted to f16 (exact)
     and multiplied into a fresh accumulator that its block scale then weights (module docstring);
     with ``fp8_async`` (su_gu pre-multiplied by 2**SCALE_SHIFT) the scale multiplies the f16 tile
-    instead and the WGMMAs run asynchronously. limits: (routed, shared) SwiGLU clamps."""
-    E, D, _, F = w_gate_up.shape
+    instead and the WGMMAs run asynchronously. limits: (routed, shared) SwiGLU clamps.
+    ``k_minor``: w_gate_up [E, 2, F, D] (w_shared [2, F, D]), D minor: each tile [TF, 128] is the
+    WGMMA A operand as it lies (bf16), or (fp8) converted to f16 in registers and multiplied from
+    there (no f16 SMEM tile; su_gu the same [U, 2, F/128, nd+] scales)."""
+    if k_minor:
+        E, _, F, D = w_gate_up.shape
+    else:
+        E, D, _, F = w_gate_up.shape
     U = uniq.shape[0]
     fp8 = su_gu is not None
     shared = w_shared is not None
@@ -186,11 +222,15 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
     ds = kps * BLOCK
     col = _WG.reduce(0)                       # [MAX_M] per-token vectors
 
+    wb_tile = fp8 and (not k_minor or interpret)     # an f16 gate / up tile in SMEM
+
     def moe_gate_up(uniq_g, x_g, w_g, *refs):
-        if shared:
-            wsh_g, *refs = refs
+        refs = list(refs)
+        wsh_g = refs.pop(0) if shared else None
         if fp8:
-            s_g, xs_g, out_g, wb_s, s_s, xs_s, o_s, bar = refs
+            s_g, xs_g, out_g = refs[:3]
+            wb_s = refs.pop(3) if wb_tile else None
+            s_s, xs_s, o_s, bar = refs[3:]
         else:
             out_g, o_s = refs
         u = lax.axis_index("u")
@@ -204,11 +244,12 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
         def stream_bf16(sources):
             def scoped(acc_g, acc_u):
                 def step(_, g_s, u_s, x_s):
-                    plgpu.wgmma(acc_g, g_s.T, x_s.T)
-                    plgpu.wgmma(acc_u, u_s.T, x_s.T)
+                    plgpu.wgmma(acc_g, g_s if k_minor else g_s.T, x_s.T)
+                    plgpu.wgmma(acc_u, u_s if k_minor else u_s.T, x_s.T)
                     plgpu.wgmma_wait(0)
 
-                w_spec = plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=w_tf)
+                w_spec = (plgpu.BlockSpec((TF, BLOCK), lambda i: (0, i), transforms=swizzled(BLOCK, 2)) if k_minor
+                          else plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=w_tf))
                 plgpu.emit_pipeline(step, grid=(kps,), in_specs=[w_spec, w_spec, x_spec],
                                     max_concurrent_steps=stages)(*sources, x_g.at[:, rows])
                 return acc_g[...], acc_u[...]
@@ -236,6 +277,33 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
                 return carry[0] + pg * s_s[0, k], carry[1] + pu * s_s[1, k]
 
             w_spec = plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=swizzled(TF, 1))
+            zero = plgpu.layout_cast(jnp.zeros((TF, MAX_M), _F32), _WG)
+            return plgpu.emit_pipeline(step, grid=(kps,), in_specs=[w_spec, w_spec, x_spec],
+                                       max_concurrent_steps=stages,
+                                       init_carry=(zero, zero))(*sources, x_g.at[:, rows])
+
+        def stream_fp8_kminor(sources):
+            """k-minor fp8: each [TF, 128] tile converted to f16 in registers, the WGMMA A operand
+            from there; per-chunk products weighted by the block scale (as stream_fp8)."""
+            plgpu.copy_gmem_to_smem(s_g.at[u, :, (j * TF) // BLOCK], s_s, bar.at[0])
+            plgpu.barrier_wait(bar.at[0])
+
+            def step(idxs, g8_s, u8_s, x_s, carry):
+                (i,) = idxs
+                a = [_a_regs(src) for src in (g8_s, u8_s)]
+
+                def mma(acc_g, acc_u):
+                    for c, acc in enumerate((acc_g, acc_u)):
+                        tile = None if wb_s is None else wb_s.at[c]
+                        plgpu.wgmma(acc, _a_operand(a[c], tile, interpret), x_s.T)
+                    plgpu.wgmma_wait(0)
+                    return acc_g[...], acc_u[...]
+
+                pg, pu = pl.run_scoped(mma, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
+                k = p * kps + i
+                return carry[0] + pg * s_s[0, k], carry[1] + pu * s_s[1, k]
+
+            w_spec = plgpu.BlockSpec((TF, BLOCK), lambda i: (0, i), transforms=swizzled(BLOCK, 1))
             zero = plgpu.layout_cast(jnp.zeros((TF, MAX_M), _F32), _WG)
             return plgpu.emit_pipeline(step, grid=(kps,), in_specs=[w_spec, w_spec, x_spec],
                                        max_concurrent_steps=stages,
@@ -272,7 +340,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
         def expert(sources, limit):
             """Stream one expert's gate / up columns (sources: their two [ds, TF] GMEM views)."""
             if fp8:
-                res = stream_fp8_async(sources) if fp8_async else stream_fp8(sources)
+                res = (stream_fp8_kminor if k_minor else stream_fp8_async if fp8_async else stream_fp8)(sources)
             else:
                 res = stream_bf16(sources)
             if split == 1:
@@ -295,9 +363,14 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
             plgpu.copy_gmem_to_smem(xs_g, xs_s, bar.at[1])
             plgpu.barrier_wait(bar.at[1])
         routed = (e >= 0) & (u < U - 1) if shared else e >= 0
-        pl.when(routed)(lambda: expert((w_g.at[e, rows, 0, cols], w_g.at[e, rows, 1, cols]), limits[0]))
-        if shared:
-            pl.when(u == U - 1)(lambda: expert((wsh_g.at[rows, 0, cols], wsh_g.at[rows, 1, cols]), limits[1]))
+        if k_minor:
+            pl.when(routed)(lambda: expert((w_g.at[e, 0, cols, rows], w_g.at[e, 1, cols, rows]), limits[0]))
+            if shared:
+                pl.when(u == U - 1)(lambda: expert((wsh_g.at[0, cols, rows], wsh_g.at[1, cols, rows]), limits[1]))
+        else:
+            pl.when(routed)(lambda: expert((w_g.at[e, rows, 0, cols], w_g.at[e, rows, 1, cols]), limits[0]))
+            if shared:
+                pl.when(u == U - 1)(lambda: expert((wsh_g.at[rows, 0, cols], wsh_g.at[rows, 1, cols]), limits[1]))
 
     if split == 1:
         out_tile = plgpu.SMEM((TF, MAX_M), _BF)
@@ -305,7 +378,9 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
     else:
         out_tile = plgpu.SMEM((2, TF, MAX_M), _F32)
         out_type = jax.ShapeDtypeStruct((split, U, 2, F, MAX_M), _F32)
-    scratch = (plgpu.SMEM((2, BLOCK, TF), _F16, transforms=w_tf),       # f16 gate / up chunk
+    tile = (plgpu.SMEM((2, TF, BLOCK), _F16, transforms=swizzled(BLOCK, 2)) if k_minor     # (interpret)
+            else plgpu.SMEM((2, BLOCK, TF), _F16, transforms=w_tf))                         # f16 gate / up chunk
+    scratch = (*((tile,) if wb_tile else ()),
                plgpu.SMEM((2, su_gu.shape[-1]), _F32),                  # this column block's scales
                plgpu.SMEM((MAX_M,), _F32),                              # the tokens' x scales
                out_tile, plgpu.Barrier(num_barriers=2)) if fp8 else (out_tile,)
@@ -321,37 +396,46 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
                   *((su_gu, x_scale) if fp8 else ()))
 
 
-def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp8_async=False):
+def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp8_async=False, k_minor=False):
     """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [split, U, D, MAX_M] float32, the unweighted
     per-expert outputs over split ranges of F (zeros for padding slots; the caller sums the
     splits). su_d: scales (fp8 weights) or None (bf16 weights). With ``w_shared`` [F, D] the last
     slot is the shared expert. ``fp8_async``: each chunk's WGMMA is left in flight while the next
-    chunk dequantises (the same bf16 tile values)."""
-    E, F, D = w_down.shape
+    chunk dequantises (the same bf16 tile values). ``k_minor``: w_down [E, D, F] (w_shared [D, F]),
+    su_d [U, D/128, F/128 (+pad)]; programs own TD_K_MINOR rows of D and (fp8) dequantise each
+    [TD_K_MINOR, 128] tile in registers as the WGMMA A operand (no bf16 SMEM tile)."""
+    if k_minor:
+        E, D, F = w_down.shape
+    else:
+        E, F, D = w_down.shape
+    td = TD_K_MINOR if k_minor else TD
     U = uniq.shape[0]
     fp8 = su_d is not None
     shared = w_shared is not None
     a_tf = swizzled(BLOCK, 2)
-    w_tf = swizzled(TD, 2)
+    w_tf = swizzled(td, 2)
     kps = F // BLOCK // split                 # F chunks per program
     fs = kps * BLOCK
+    wb_tile = fp8 and (not k_minor or interpret)     # a bf16 down tile in SMEM
 
     def moe_down(uniq_g, act_g, w_g, *refs):
-        if shared:
-            wsh_g, *refs = refs
+        refs = list(refs)
+        wsh_g = refs.pop(0) if shared else None
         if fp8:
-            s_g, y_g, wb_s, s_s, o_s, bar = refs
+            s_g, y_g = refs[:2]
+            wb_s = refs.pop(2) if wb_tile else None
+            s_s, o_s, bar = refs[2:]
         else:
             y_g, o_s = refs
         u = lax.axis_index("u")
         j = lax.axis_index("d")
         p = lax.axis_index("s")
         e = uniq_g[u]
-        cols = pl.ds(j * TD, TD)
+        cols = pl.ds(j * td, td)
         rows = pl.ds(p * fs, fs)
 
         def expert(source):
-            """Stream one expert's [fs, TD] block of w_down (source: its GMEM view)."""
+            """Stream one expert's [fs, td] block of w_down ([td, fs] if k_minor; its GMEM view)."""
             if fp8:
                 plgpu.copy_gmem_to_smem(s_g.at[u], s_s, bar.at[0])
                 plgpu.barrier_wait(bar.at[0])
@@ -359,9 +443,16 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp
             def scoped(acc):
                 def step(idxs, w_s, a_s):
                     (i,) = idxs
+                    if k_minor:
+                        if fp8:      # dequantised in registers: the A operand from there
+                            a = _a_regs(w_s, s_s[(j * td) // BLOCK, p * kps + i], _BF)
+                            w_s = _a_operand(a, wb_s, interpret)
+                        plgpu.wgmma(acc, w_s, a_s.T)
+                        plgpu.wgmma_wait(0)
+                        return
                     if fp8:      # dequantise the fp8 chunk into the swizzled bf16 tile
                         v = load_fp8(w_s)                                 # swizzled fp8 tile
-                        v = (v.astype(_F32) * s_s[p * kps + i, (j * TD) // BLOCK]).astype(_BF)
+                        v = (v.astype(_F32) * s_s[p * kps + i, (j * td) // BLOCK]).astype(_BF)
                         if fp8_async:
                             plgpu.wgmma_wait(0)      # the previous chunk's WGMMA has read wb_s
                         store(wb_s, v)
@@ -372,42 +463,52 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp
                         plgpu.wgmma_wait(0)
 
                 late = 1 if fp8_async else 0         # async: buffers released one step late
+                if k_minor:
+                    w_spec = plgpu.BlockSpec((td, BLOCK), lambda i: (0, i), transforms=swizzled(BLOCK, 1 if fp8 else 2))
+                else:
+                    w_spec = plgpu.BlockSpec((BLOCK, td), lambda i: (i, 0),
+                                             transforms=swizzled(td, 1) if fp8 else w_tf, delay_release=late)
                 plgpu.emit_pipeline(
                     step,
                     grid=(kps,),
-                    in_specs=[plgpu.BlockSpec((BLOCK, TD), lambda i: (i, 0),
-                                              transforms=swizzled(TD, 1) if fp8 else w_tf, delay_release=late),
-                              plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=a_tf,
-                                              delay_release=late)],
+                    in_specs=[w_spec, plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=a_tf,
+                                                      delay_release=late)],
                     max_concurrent_steps=stages,
                 )(source, act_g.at[u, :, rows])
                 return acc[...]
 
-            y = pl.run_scoped(scoped, plgpu.ACC((TD, MAX_M), _F32))
+            y = pl.run_scoped(scoped, plgpu.ACC((td, MAX_M), _F32))
             store(o_s, y)
 
         routed = (e >= 0) & (u < U - 1) if shared else e >= 0
-        pl.when(routed)(lambda: expert(w_g.at[e, rows, cols]))
-        if shared:
-            pl.when(u == U - 1)(lambda: expert(wsh_g.at[rows, cols]))
+        if k_minor:
+            pl.when(routed)(lambda: expert(w_g.at[e, cols, rows]))
+            if shared:
+                pl.when(u == U - 1)(lambda: expert(wsh_g.at[cols, rows]))
+        else:
+            pl.when(routed)(lambda: expert(w_g.at[e, rows, cols]))
+            if shared:
+                pl.when(u == U - 1)(lambda: expert(wsh_g.at[rows, cols]))
 
         @pl.when(e < 0)                      # padding slot: reads nothing, writes zeros
         def _():
-            store(o_s, plgpu.layout_cast(jnp.zeros((TD, MAX_M), _F32), _WG))
+            store(o_s, plgpu.layout_cast(jnp.zeros((td, MAX_M), _F32), _WG))
 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s, y_g.at[p, u, cols])
         plgpu.wait_smem_to_gmem(0)
 
-    out_tile = plgpu.SMEM((TD, MAX_M), _F32)
-    scratch = (plgpu.SMEM((BLOCK, TD), _BF, transforms=w_tf),           # dequantised down chunk
+    out_tile = plgpu.SMEM((td, MAX_M), _F32)
+    tile = (plgpu.SMEM((td, BLOCK), _BF, transforms=swizzled(BLOCK, 2)) if k_minor     # (interpret)
+            else plgpu.SMEM((BLOCK, td), _BF, transforms=w_tf))                        # dequantised down chunk
+    scratch = (*((tile,) if wb_tile else ()),
                plgpu.SMEM(su_d.shape[1:], _F32),                        # this expert's scales
                out_tile, plgpu.Barrier(num_barriers=1)) if fp8 else (out_tile,)
     kernel = plgpu.kernel(
         moe_down,
         out_type=jax.ShapeDtypeStruct((split, U, D, MAX_M), _F32),
         scratch_types=scratch,
-        grid=(U, D // TD, split),
+        grid=(U, D // td, split),
         grid_names=("u", "d", "s"),
         interpret=interpret if interpret else None,
     )
@@ -422,7 +523,7 @@ def _pad_minor(a, mult):
 
 def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit=None, *,
                        shared=None, split_d=None, split_f=None, stages=STAGES, fp8_schedule="serial",
-                       interpret=False):
+                       k_minor=False, interpret=False):
     """Routed experts for M = 1..16 tokens; see the module docstring.
 
     x [M, D]; idx, w [M, k]; either block-fp8 weights: w_gate_up [E, D, 2, F] float8_e4m3fn +
@@ -438,17 +539,30 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     ``fp8_schedule``: 'serial' (per chunk: convert, WGMMA, wait; kernel 1 scales each chunk's
     product) or 'async' (kernel 1 multiplies the f16 tile by its scale, both kernels leave each
     chunk's WGMMA in flight while the next chunk converts; needs stages >= 2). bf16 ignores it.
+    ``k_minor``: the weights with the contraction axis minor, as the published checkpoint stores
+    them: w_gate_up [E, 2, F, D], gu_scale [E, 2, F/128, D/128], w_down [E, D, F], down_scale
+    [E, D/128, F/128] (shared: [2, F, D], [2, F/128, D/128], [D, F], [D/128, F/128]); fp8 tiles then
+    become the WGMMA A operand in registers (no 16-bit SMEM tile; 'serial' schedule only). Not yet
+    run on a GPU (session 8: interpret mode, which stages the register operand through SMEM, and
+    cross-lowering).
     ``interpret``: False (compile for the GPU) or a ``plgpu.InterpretGPUParams``. -> [M, D] x.dtype.
     """
     M, D = x.shape
-    E, D2, two, F = w_gate_up.shape
+    if k_minor:
+        E, two, F, D2 = w_gate_up.shape
+        gu_want, d_want, gs_want, ds_want = "[E, 2, F, D]", (E, D, F), (E, 2, F // BLOCK, D // BLOCK), \
+            (E, D // BLOCK, F // BLOCK)
+    else:
+        E, D2, two, F = w_gate_up.shape
+        gu_want, d_want, gs_want, ds_want = "[E, D, 2, F]", (E, F, D), (E, 2, D // BLOCK, F // BLOCK), \
+            (E, F // BLOCK, D // BLOCK)
     if not 1 <= M <= MAX_M:
         raise ValueError(f"M={M} tokens must be in 1..{MAX_M}")
     if idx.shape != w.shape or idx.ndim != 2 or idx.shape[0] != M:
         raise ValueError(f"idx {idx.shape} and w {w.shape} must both be [M={M}, k]")
-    if (D2, two) != (D, 2) or w_down.shape != (E, F, D):
+    if (D2, two) != (D, 2) or w_down.shape != d_want:
         raise ValueError(f"weights w_gate_up {w_gate_up.shape}, w_down {w_down.shape} do not match "
-                         f"[E, D={D}, 2, F] / [E, F, D]")
+                         f"{gu_want} / {list(d_want)} with D={D}{' (k_minor)' if k_minor else ''}")
     fp8 = w_gate_up.dtype == _FP8
     if w_gate_up.dtype != w_down.dtype or w_gate_up.dtype not in (_FP8, _BF):
         raise ValueError(f"weights must both be float8_e4m3fn (with block scales) or both bfloat16 "
@@ -460,28 +574,31 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     if not fp8:
         if gu_scale is not None or down_scale is not None:
             raise ValueError("bfloat16 weights take no scales: pass gu_scale=None, down_scale=None")
-    elif gu_scale is None or down_scale is None or gu_scale.shape != (E, 2, nd, nf) \
-            or down_scale.shape != (E, nf, nd):
+    elif gu_scale is None or down_scale is None or gu_scale.shape != gs_want \
+            or down_scale.shape != ds_want:
         shapes = [None if a is None else a.shape for a in (gu_scale, down_scale)]
-        raise ValueError(f"fp8 scales {shapes[0]}, {shapes[1]} must be {(E, 2, nd, nf)}, "
-                         f"{(E, nf, nd)} (128 x 128 blocks)")
+        raise ValueError(f"fp8 scales {shapes[0]}, {shapes[1]} must be {gs_want}, "
+                         f"{ds_want} (128 x 128 blocks)")
 
     if shared is not None:
         sh_gu, sh_gu_scale, sh_d, sh_d_scale, sh_limit = shared
-        if sh_gu.shape != (D, 2, F) or sh_d.shape != (F, D) or sh_gu.dtype != w_gate_up.dtype \
-                or sh_d.dtype != w_down.dtype:
+        if sh_gu.shape != w_gate_up.shape[1:] or sh_d.shape != w_down.shape[1:] \
+                or sh_gu.dtype != w_gate_up.dtype or sh_d.dtype != w_down.dtype:
             raise ValueError(f"shared expert weights {sh_gu.shape} {sh_gu.dtype}, {sh_d.shape} {sh_d.dtype} must "
-                             f"be [D, 2, F] = {(D, 2, F)} and [F, D] in the routed experts' dtype {w_gate_up.dtype}")
+                             f"be one routed expert's {w_gate_up.shape[1:]} and {w_down.shape[1:]} in the routed "
+                             f"experts' dtype {w_gate_up.dtype}")
         if fp8 != (sh_gu_scale is not None) or fp8 != (sh_d_scale is not None) or (fp8 and (
-                sh_gu_scale.shape != (2, nd, nf) or sh_d_scale.shape != (nf, nd))):
-            raise ValueError(f"shared expert scales must be {(2, nd, nf)} and {(nf, nd)} for fp8 weights, "
+                sh_gu_scale.shape != gs_want[1:] or sh_d_scale.shape != ds_want[1:])):
+            raise ValueError(f"shared expert scales must be {gs_want[1:]} and {ds_want[1:]} for fp8 weights, "
                              "None for bfloat16 weights")
     U = min(M * idx.shape[1], E) + (shared is not None)
-    auto_d, auto_f = moe_split(U, D, F)
+    auto_d, auto_f = moe_split(U, D, F, k_minor)
     split_d, split_f = split_d or auto_d, split_f or auto_f
     if fp8_schedule not in FP8_SCHEDULES:
         raise ValueError(f"fp8_schedule={fp8_schedule!r} must be one of {FP8_SCHEDULES}")
     fp8_async = fp8 and fp8_schedule == "async"
+    if fp8_async and k_minor:
+        raise ValueError("fp8_schedule='async' is not implemented for k_minor weights; use 'serial'")
     if stages < 1 or (fp8_async and stages < 2):
         raise ValueError(f"stages={stages} must be >= 1 (>= 2 for fp8_schedule='async': a chunk's buffers are "
                          "released one step late, while its WGMMA runs)")
@@ -510,11 +627,12 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
             ds_ = jnp.concatenate([down_scale[safe[:-1]], sh_d_scale[None]]).astype(_F32)
         if fp8_async:    # kernel 1 multiplies the f16 weights by f16(scale * 2**SHIFT)
             gs = gs * 2.0 ** SCALE_SHIFT
-        su_gu = _pad_minor(jnp.swapaxes(gs, -1, -2), 4)                  # [U, 2, F/128, nd+]
-        su_d = _pad_minor(ds_, 4)                                        # [U, F/128, nd+]
+        su_gu = _pad_minor(gs if k_minor else jnp.swapaxes(gs, -1, -2), 4)   # [U, 2, F/128, nd+]
+        su_d = _pad_minor(ds_, 4)                              # [U, F/128, nd+] ([U, nd, F/128+] if k_minor)
     limits = (limit, limit if shared is None else sh_limit)
     w_sh = (None, None) if shared is None else (sh_gu, sh_d)
-    act = _gate_up(uniq, xp, w_gate_up, su_gu, limits, split_d, stages, interpret, w_sh[0], x_scale, fp8_async)
+    act = _gate_up(uniq, xp, w_gate_up, su_gu, limits, split_d, stages, interpret, w_sh[0], x_scale, fp8_async,
+                   k_minor)
     if split_d > 1:     # [split, U, 2, F, MAX_M] partial sums -> SwiGLU in XLA (one fusion with the transpose)
         gu = act.sum(0) if x_scale is None else act.sum(0) * x_scale
         act = _silu_clamp(gu[:, 0], gu[:, 1], limits[0])                         # [U, F, MAX_M]
@@ -522,15 +640,17 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
             act = jnp.concatenate([act[:-1], _silu_clamp(gu[-1:, 0], gu[-1:, 1], limits[1])])
         act = act.astype(_BF)
     yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, split_f, stages, interpret, w_sh[1],
-               fp8_async)                                                       # [split, U, D, MAX_M]
+               fp8_async, k_minor)                                              # [split, U, D, MAX_M]
     return jnp.einsum("sudm,um->md", yu[..., :M], wu).astype(x.dtype)
 
 
-def moe_split(U: int, D: int, F: int) -> tuple[int, int]:
+def moe_split(U: int, D: int, F: int, k_minor: bool = False) -> tuple[int, int]:
     """Default (split_d, split_f) for U expert slots: kernel 1 splits D when U * F/64 programs are
     too few (one token: 8 x 12 = 96 -> split 4, 5 chunks each), kernel 2 splits F the same way
-    (8 x D/128 = 160 -> 2, 3 chunks each); a 9-token verify block (~66 experts) splits neither."""
-    return (_split(U * (F // TF), D // BLOCK, 4), _split(U * (D // TD), F // BLOCK, 2))
+    (8 x D/128 = 160 -> 2, 3 chunks each; k_minor: D/64 tiles, 320 -> 1); a 9-token verify block
+    (~66 experts) splits neither."""
+    td = TD_K_MINOR if k_minor else TD
+    return (_split(U * (F // TF), D // BLOCK, 4), _split(U * (D // td), F // BLOCK, 2))
 
 
 def weight_bytes(n_experts_used: int, D: int, F: int, fp8: bool = True) -> int:

@@ -306,6 +306,63 @@ def test_interpret_async_schedule_matches(M, D, F, mode, split_d, split_f, limit
     _check(out, moe_experts_pallas(x, idx, w, *poisoned, limit, **kw), 1e-2)
 
 
+def _k_minor(vgu, sgu, vd, sd):
+    """The test weights with the contraction axis minor (the kernels' k_minor layout)."""
+    return (vgu.transpose(0, 2, 3, 1), None if sgu is None else jnp.swapaxes(sgu, -1, -2),
+            jnp.swapaxes(vd, 1, 2), None if sd is None else jnp.swapaxes(sd, 1, 2))
+
+
+# (M, mode, split_d, split_f, with_shared, kind): k_minor weights vs the same weights in the
+# default layout (the same arithmetic: equal up to float32 summation order)
+K_MINOR_CASES = [
+    (1, "independent", 4, 2, True, "fp8"),
+    (9, "overlap", 1, 1, False, "fp8"),
+    (3, "independent", 2, 1, True, "bf16"),
+]
+
+
+@pytest.mark.parametrize("M,mode,split_d,split_f,with_shared,kind", K_MINOR_CASES)
+@interpret_only
+def test_interpret_k_minor_weights_match(M, mode, split_d, split_f, with_shared, kind):
+    E, k, D, F = 16, 4, 512, 256
+    vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=41 + M, kind=kind)
+    routed = tuple(None if a is None else a[:E] for a in (vgu, sgu, vd, sd))
+    shared = shared_k = None
+    if with_shared:
+        one = tuple(None if a is None else a[E:] for a in (vgu, sgu, vd, sd))
+        shared = (*(None if a is None else a[0] for a in one), 0.05)
+        shared_k = (*(None if a is None else a[0] for a in _k_minor(*one)), 0.05)
+    idx, w = _routing(M, k, E, mode, seed=M + 6)
+    x = jax.random.normal(jax.random.PRNGKey(M + 17), (M, D), F32).astype(BF16)
+    read = np.zeros(E, bool)
+    read[np.asarray(idx).ravel()] = True
+    poisoned = _poison(jnp.asarray(~read), *routed)
+    kw = dict(split_d=split_d, split_f=split_f, interpret=INTERPRET)
+    out = moe_experts_pallas(x, idx, w, *_k_minor(*poisoned), 0.02, shared=shared_k, k_minor=True, **kw)
+    out = jax.block_until_ready(out)
+    _assert_no_race_flagged()
+    _check(out, moe_experts_pallas(x, idx, w, *poisoned, 0.02, shared=shared, **kw), 1e-3)
+    ref = _reference(x, idx, w, *routed, 0.02)
+    if with_shared:
+        ref = ref + _reference(x, jnp.full((M, 1), E, jnp.int32), jnp.ones((M, 1), F32), vgu, sgu, vd, sd, 0.05)
+    _check(out, ref, 2e-2)
+
+
+def test_k_minor_checks():
+    vgu, sgu, vd, sd = _k_minor(*_weights(4, 256, 128))
+    x, idx, w = jnp.zeros((1, 256), BF16), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), F32)
+    with pytest.raises(ValueError, match=r"do not match \[E, 2, F, D\]"):
+        moe_experts_pallas(x, idx, w, vgu, sgu, jnp.swapaxes(vd, 1, 2), sd, k_minor=True, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="fp8 scales"):
+        moe_experts_pallas(x, idx, w, vgu, jnp.swapaxes(sgu, -1, -2), vd, sd, k_minor=True, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="not implemented for k_minor"):
+        moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, k_minor=True, fp8_schedule="async", interpret=INTERPRET)
+    with pytest.raises(ValueError, match="shared expert weights"):
+        moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, k_minor=True, interpret=INTERPRET,
+                           shared=(vgu[0].transpose(2, 0, 1), sgu[0], vd[0], sd[0], None))
+    assert moe_split(9, 2560, 768, k_minor=True) == (4, 1)       # kernel 2: 9 x 40 = 360 programs
+
+
 def test_shared_expert_checks():
     vgu, sgu, vd, sd = _weights(4, 256, 128)
     x, idx, w = jnp.zeros((1, 256), BF16), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), F32)
@@ -430,6 +487,22 @@ def test_async_schedule_cross_lowers_for_cuda_with_shared_expert(M):
     assert text.count("mosaic_gpu") >= 2
 
 
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("M", [1, 9, 16])
+def test_k_minor_cross_lowers_for_cuda_with_shared_expert(M, kind):
+    """k_minor: the fp8 tiles as register WGMMA A operands (interpret mode cannot run those)."""
+    E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
+    S = jax.ShapeDtypeStruct
+    dt, fp8 = (FP8, True) if kind == "fp8" else (BF16, False)
+    sc = lambda *shape: S(shape, F32) if fp8 else None
+    args = (S((M, D), BF16), S((M, k), jnp.int32), S((M, k), F32), S((E, 2, F, D), dt), sc(E, 2, F // 128, D // 128),
+            S((E, D, F), dt), sc(E, D // 128, F // 128))
+    sh = (S((2, F, D), dt), sc(2, F // 128, D // 128), S((D, F), dt), sc(D // 128, F // 128))
+    f = jax.jit(lambda *a: moe_experts_pallas(*a[:7], limit=7.0, shared=(*a[7:], 5.0), k_minor=True))
+    text = f.trace(*args, *sh).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2
+
+
 # ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
 @gpu_only
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
@@ -476,6 +549,30 @@ def test_gpu_async_schedule_ling_shape(M, mode):
     idx, w = _routing(M, k, E, mode, seed=M)
     x = jax.random.normal(jax.random.PRNGKey(M), (M, D), F32).astype(BF16)
     out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared, fp8_schedule="async"))(x, idx, w, *routed)
+    ref_fn = jax.jit(_reference, static_argnames=("limit", "dtype"))
+    ref = ref_fn(x, idx, w, *routed, limit=7.0) + ref_fn(
+        x, jnp.full((M, 1), E, jnp.int32), jnp.ones((M, 1), F32), vgu, sgu, vd, sd, limit=5.0)
+    _check(out, ref, 2e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("M", [1, 9, 16])
+def test_gpu_k_minor_ling_shape(M, kind):
+    """k_minor weights (register A operands for fp8) at the Ling shape with the shared expert, vs
+    the default layout's kernel and the reference."""
+    E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
+    vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=6, kind=kind)
+    routed = tuple(None if a is None else a[:E] for a in (vgu, sgu, vd, sd))
+    one = tuple(None if a is None else a[E:] for a in (vgu, sgu, vd, sd))
+    shared = (*(None if a is None else a[0] for a in one), 5.0)
+    shared_k = (*(None if a is None else a[0] for a in _k_minor(*one)), 5.0)
+    idx, w = _routing(M, k, E, "independent", seed=M)
+    x = jax.random.normal(jax.random.PRNGKey(M), (M, D), F32).astype(BF16)
+    out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared_k, k_minor=True))(
+        x, idx, w, *_k_minor(*routed))
+    base = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared))(x, idx, w, *routed)
+    _check(out, base, 1e-3)
     ref_fn = jax.jit(_reference, static_argnames=("limit", "dtype"))
     ref = ref_fn(x, idx, w, *routed, limit=7.0) + ref_fn(
         x, jnp.full((M, 1), E, jnp.int32), jnp.ones((M, 1), F32), vgu, sgu, vd, sd, limit=5.0)
@@ -563,3 +660,17 @@ def test_timing_entry_point_rejects_bad_sweeps(capsys):
         with pytest.raises(SystemExit):
             main(["--interpret", flag, value, "--no-xla-defaults"])
         assert msg in capsys.readouterr().err
+
+
+@interpret_only
+@pytest.mark.parametrize("weights", ["fp8", "bf16"])
+def test_timing_entry_point_k_minor_cpu_smoke(tmp_path, weights):
+    """--k-minor: the kernel on transposed weights (+ shared expert), checked against gather on the
+    originals; no gather row is timed."""
+    from bench.moe_kernel_timing import main
+    rec = main(["--interpret", "--k-minor", "--shared", "--weights", weights, "--M", "3", "--E", "8", "--D", "256",
+                "--F", "128", "--k", "2", "--iters", "1", "--warmup", "1", "--no-xla-defaults",
+                "--out-dir", str(tmp_path)])
+    (r,) = rec["results"]
+    assert r["k_minor"] and "gather_us" not in r and "kernel_error" not in r, r
+    assert r["finite"] and r["max_abs_err"] <= 2e-2 * r["ref_max"]
