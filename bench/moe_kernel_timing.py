@@ -118,15 +118,14 @@ def split_shared(weights, E, limit, shared: bool):
 
 def k_minor_weights(weights):
     """`split_shared`'s (routed, shared) -> the same weights with the contraction axis minor
-    (moe_experts_pallas(k_minor=True)): w_gate_up [E,D,2,F] -> [E,2,F,D], w_down [E,F,D] -> [E,D,F],
-    scales likewise."""
+    (moe_experts_pallas(k_minor=True)): w_gate_up [E,D,2,F] -> [E,2,F,D], w_down [E,F,D] -> [E,D,F];
+    the scales stay as they are ([.., IN blocks, OUT blocks])."""
     import jax
     import jax.numpy as jnp
 
     def one(vgu, sgu, vd, sd, experts_axis: bool):     # False: the shared expert's [D, 2, F] / [F, D]
         perm = (0, 2, 3, 1) if experts_axis else (1, 2, 0)
-        return (jnp.transpose(vgu, perm), None if sgu is None else jnp.swapaxes(sgu, -1, -2),
-                jnp.swapaxes(vd, -1, -2), None if sd is None else jnp.swapaxes(sd, -1, -2))
+        return jnp.transpose(vgu, perm), sgu, jnp.swapaxes(vd, -1, -2), sd
 
     routed, shared = weights
     routed = jax.block_until_ready(jax.jit(lambda *w: one(*w, True))(*routed))

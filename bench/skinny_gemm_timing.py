@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-load-layout", default="",
                     help="comma list of register layouts for the fp8 tile loads (wgmma, upcast2x, 8bit; "
                          "default: pallas_kernels.common's); bf16 rows ignore it")
+    ap.add_argument("--k-minor", action="store_true",
+                    help="weights as [N, K] (K minor, torch's Linear layout): fp8 tiles become register WGMMA "
+                         "operands (skinny_gemm_pallas(k_minor=True)); the XLA rows use the same arrays")
     ap.add_argument("--iters", type=int, default=50, help="timed calls per row (loop: iterations of 8+ calls)")
     ap.add_argument("--copies", type=int, default=None,
                     help="weight copies cycled in the loop (default: enough for 256 MB, at least 1)")
@@ -106,11 +109,12 @@ def run_row(M, K, N, dtype, ws_copies, tiling, a, interpret, copy_bw) -> dict:
     from lingjax.quant import dequantize
     from pallas_kernels.skinny_gemm import (skinny_gemm_config, skinny_gemm_pallas,
                                             skinny_gemm_reference, weight_bytes)
-    fp8 = dtype == "fp8"
     from pallas_kernels.common import fp8_load_layout_set
-    cfg = skinny_gemm_config(M, K, N, fp8, **{k: v for k, v in tiling.items()
-                                              if k not in ("fp8_schedule", "fp8_load_layout")})
-    rec = {"M": M, "K": K, "N": N, "dtype": dtype, "tiling": tiling,
+    fp8 = dtype == "fp8"
+    _kn = (lambda w: w.T) if a.k_minor else (lambda w: w)        # the XLA rows' [K, N] operand
+    cfg = skinny_gemm_config(M, K, N, fp8, k_minor=a.k_minor, **{k: v for k, v in tiling.items()
+                                                                 if k not in ("fp8_schedule", "fp8_load_layout")})
+    rec = {"M": M, "K": K, "N": N, "dtype": dtype, "tiling": tiling, "k_minor": a.k_minor,
            "config": {"block_n": cfg.block_n, "split_k": cfg.split_k, "stages": cfg.stages,
                       "m_pad": cfg.m_pad, "smem_bytes": cfg.smem_bytes},
            "bytes": weight_bytes(K, N, jnp.float8_e4m3fn if fp8 else jnp.bfloat16)}
@@ -124,21 +128,21 @@ def run_row(M, K, N, dtype, ws_copies, tiling, a, interpret, copy_bw) -> dict:
 
     def kern_fn(x, *ws, out_dtype=None):      # the load layout is a trace-time setting
         with fp8_load_layout_set(tiling.get("fp8_load_layout")):
-            return skinny_gemm_pallas(x, *ws, interpret=interpret, out_dtype=out_dtype, **kw)
+            return skinny_gemm_pallas(x, *ws, interpret=interpret, out_dtype=out_dtype, k_minor=a.k_minor, **kw)
     fns = [("kernel", kern_fn)]
     if not a.no_xla:
         if fp8:
-            view = Matrix((), (0,), (1,))
-            fns.append(("xla", lambda x, w, s: x @ dequantize(w, s, view, (128, 128), jnp.bfloat16)))
+            view = Matrix((), (1,), (0,)) if a.k_minor else Matrix((), (0,), (1,))
+            fns.append(("xla", lambda x, w, s: x @ _kn(dequantize(w, s, view, (128, 128), jnp.bfloat16))))
         else:
-            fns.append(("xla", lambda x, w: x @ w))
+            fns.append(("xla", lambda x, w: x @ _kn(w)))
     for name, (med, piped) in time_rows([(n, jax.jit(f), (x, *ws)) for n, f in fns], a.iters, a.warmup,
                                         rec).items():
         rec[f"{name}_us"], rec[f"{name}_pipelined_us"] = med * 1e6, piped * 1e6
     loop_timing(fns, sets, a.iters, rec, rec["bytes"], copy_bw, smoke=bool(interpret))
     if "kernel_us" in rec:
         out = np.asarray(jax.jit(lambda x, *ws: kern_fn(x, *ws, out_dtype=jnp.float32))(x, *ws))
-        ref = np.asarray(jax.jit(skinny_gemm_reference)(x, w, s))
+        ref = np.asarray(jax.jit(lambda *ws: skinny_gemm_reference(x, *ws, k_minor=a.k_minor))(w, s))
         rec["max_abs_err"] = float(np.abs(out - ref).max())
         rec["ref_max"] = float(np.abs(ref).max())
         rec["finite"] = bool(np.isfinite(out).all())
@@ -146,7 +150,7 @@ def run_row(M, K, N, dtype, ws_copies, tiling, a, interpret, copy_bw) -> dict:
 
 
 def _line(r) -> str:
-    line = (f"{r['dtype']} {r['K']}x{r['N']} M={r['M']} ("
+    line = (f"{r['dtype']} {r['K']}x{r['N']}{' k-minor' if r.get('k_minor') else ''} M={r['M']} ("
             + (f"{r['tiling']['fp8_schedule']}, " if "fp8_schedule" in r["tiling"] else "")
             + (f"{r['tiling']['fp8_load_layout']} loads, " if "fp8_load_layout" in r["tiling"] else "")
             + f"bn {r['config']['block_n']}, split "
@@ -212,6 +216,8 @@ def main(argv=None) -> dict:
             import jax.numpy as jnp
             nbytes = weight_bytes(K, N, jnp.float8_e4m3fn if dtype == "fp8" else jnp.bfloat16)
             copies = [make_weights(K, N, dtype == "fp8", a.seed + j) for j in range(n_copies(nbytes, a.copies))]
+            if a.k_minor:           # [N, K] values (the scales keep their [K/128, N/128] layout)
+                copies = [(jax.block_until_ready(jax.jit(lambda v: v.T)(w)), s) for w, s in copies]
             for M in Ms:
                 fp8_rows = [dict(t, fp8_schedule=sc, **({"fp8_load_layout": ly} if ly else {}))
                             for t in tilings for sc in schedules for ly in layouts]

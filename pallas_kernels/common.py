@@ -71,3 +71,21 @@ def fp8_load_layout_set(name: str | None):
     finally:
         fp8_load_layout = old
 
+
+def a_regs(tile_ref, scale=None, dtype=jnp.float16):
+    """fp8 weight tile [rows, K] (K minor, swizzled) -> the WGMMA A operand in registers: loaded 4
+    bytes per thread (WGMMA_UPCAST_2X), converted (fp8 -> f16 exact; or -> f32, * scale, -> dtype),
+    relaid to the WGMMA layout (one warp shuffle per 4 values)."""
+    v = plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
+    v = v.astype(dtype) if scale is None else (v.astype(jnp.float32) * scale).astype(dtype)
+    return plgpu.layout_cast(v, plgpu.Layout.WGMMA)
+
+
+def a_operand(a, tile_ref, interpret):
+    """The A operand for plgpu.wgmma: the registers `a` on the GPU; in interpret mode (whose wgmma
+    takes SMEM operands only, jax 0.12) `a` stored to the SMEM tile `tile_ref` (same values)."""
+    if not interpret:
+        return a
+    store(tile_ref, a)
+    plgpu.commit_smem()
+    return tile_ref

@@ -53,7 +53,7 @@ Design
   A from registers: no 16-bit SMEM tile, a third of the shared-memory traffic, and SMEM for 3 CTAs
   per SM. Kernel 2 then owns 64 rows of D per program (the register tile). Mosaic GPU's interpret
   mode (jax 0.12) cannot take a register A operand, so there the operand goes through an SMEM tile
-  (`_a_operand`); the register path itself is checked by cross-lowering (and, next, the H200).
+  (`common.a_operand`); the register path itself is checked by cross-lowering (and, next, the H200).
 * An XLA transpose ``act -> [U, 16, F]`` (U*F*16*2 bytes) between the kernels: WGMMA B with
   N = 16 lowers only as a transposed (K-minor) operand, and a register tile cannot be stored
   transposed (both checked by cross-lowering, jax 0.11.2 and 0.12).
@@ -109,7 +109,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import SCALE_SHIFT, X_TOP_EXP, f16_rows, load_fp8, store, swizzled
+from pallas_kernels.common import SCALE_SHIFT, X_TOP_EXP, a_operand, a_regs, f16_rows, load_fp8, store, swizzled
 
 __all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "moe_experts_pallas", "moe_split", "dedupe_experts", "weight_bytes"]
 
@@ -171,25 +171,6 @@ def _split(programs: int, chunks: int, min_chunks: int) -> int:
     divs = [s for s in range(1, chunks + 1) if chunks % s == 0 and chunks // s >= min_chunks] or [1]
     full = [s for s in divs if programs * s >= 2 * N_SMS]
     return full[0] if full else divs[-1]
-
-
-def _a_regs(tile_ref, scale=None, dtype=_F16):
-    """fp8 weight tile [rows, K] (K minor, swizzled) -> the WGMMA A operand in registers: loaded 4
-    bytes per thread (WGMMA_UPCAST_2X), converted (fp8 -> f16 exact; or -> f32, * scale, -> dtype),
-    relaid to the WGMMA layout (one warp shuffle per 4 values)."""
-    v = plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
-    v = v.astype(dtype) if scale is None else (v.astype(_F32) * scale).astype(dtype)
-    return plgpu.layout_cast(v, _WG)
-
-
-def _a_operand(a, tile_ref, interpret):
-    """The A operand for plgpu.wgmma: the registers `a` on the GPU; in interpret mode (whose wgmma
-    takes SMEM operands only, jax 0.12) `a` stored to the SMEM tile `tile_ref` (same values)."""
-    if not interpret:
-        return a
-    store(tile_ref, a)
-    plgpu.commit_smem()
-    return tile_ref
 
 
 def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_shared=None, x_scale=None,
@@ -290,12 +271,12 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
 
             def step(idxs, g8_s, u8_s, x_s, carry):
                 (i,) = idxs
-                a = [_a_regs(src) for src in (g8_s, u8_s)]
+                a = [a_regs(src) for src in (g8_s, u8_s)]
 
                 def mma(acc_g, acc_u):
                     for c, acc in enumerate((acc_g, acc_u)):
                         tile = None if wb_s is None else wb_s.at[c]
-                        plgpu.wgmma(acc, _a_operand(a[c], tile, interpret), x_s.T)
+                        plgpu.wgmma(acc, a_operand(a[c], tile, interpret), x_s.T)
                     plgpu.wgmma_wait(0)
                     return acc_g[...], acc_u[...]
 
@@ -445,8 +426,8 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp
                     (i,) = idxs
                     if k_minor:
                         if fp8:      # dequantised in registers: the A operand from there
-                            a = _a_regs(w_s, s_s[(j * td) // BLOCK, p * kps + i], _BF)
-                            w_s = _a_operand(a, wb_s, interpret)
+                            a = a_regs(w_s, s_s[(j * td) // BLOCK, p * kps + i], _BF)
+                            w_s = a_operand(a, wb_s, interpret)
                         plgpu.wgmma(acc, w_s, a_s.T)
                         plgpu.wgmma_wait(0)
                         return
@@ -539,9 +520,9 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     ``fp8_schedule``: 'serial' (per chunk: convert, WGMMA, wait; kernel 1 scales each chunk's
     product) or 'async' (kernel 1 multiplies the f16 tile by its scale, both kernels leave each
     chunk's WGMMA in flight while the next chunk converts; needs stages >= 2). bf16 ignores it.
-    ``k_minor``: the weights with the contraction axis minor, as the published checkpoint stores
-    them: w_gate_up [E, 2, F, D], gu_scale [E, 2, F/128, D/128], w_down [E, D, F], down_scale
-    [E, D/128, F/128] (shared: [2, F, D], [2, F/128, D/128], [D, F], [D/128, F/128]); fp8 tiles then
+    ``k_minor``: the weight values with the contraction axis minor, as the published checkpoint
+    stores them: w_gate_up [E, 2, F, D], w_down [E, D, F] (shared: [2, F, D], [D, F]); the scales
+    as always [.., IN blocks, OUT blocks] (the Fp8Weight convention); fp8 tiles then
     become the WGMMA A operand in registers (no 16-bit SMEM tile; 'serial' schedule only). Not yet
     run on a GPU (session 8: interpret mode, which stages the register operand through SMEM, and
     cross-lowering).
@@ -550,12 +531,11 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     M, D = x.shape
     if k_minor:
         E, two, F, D2 = w_gate_up.shape
-        gu_want, d_want, gs_want, ds_want = "[E, 2, F, D]", (E, D, F), (E, 2, F // BLOCK, D // BLOCK), \
-            (E, D // BLOCK, F // BLOCK)
+        gu_want, d_want = "[E, 2, F, D]", (E, D, F)
     else:
         E, D2, two, F = w_gate_up.shape
-        gu_want, d_want, gs_want, ds_want = "[E, D, 2, F]", (E, F, D), (E, 2, D // BLOCK, F // BLOCK), \
-            (E, F // BLOCK, D // BLOCK)
+        gu_want, d_want = "[E, D, 2, F]", (E, F, D)
+    gs_want, ds_want = (E, 2, D // BLOCK, F // BLOCK), (E, F // BLOCK, D // BLOCK)     # [.., IN, OUT] blocks
     if not 1 <= M <= MAX_M:
         raise ValueError(f"M={M} tokens must be in 1..{MAX_M}")
     if idx.shape != w.shape or idx.ndim != 2 or idx.shape[0] != M:
@@ -627,8 +607,8 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
             ds_ = jnp.concatenate([down_scale[safe[:-1]], sh_d_scale[None]]).astype(_F32)
         if fp8_async:    # kernel 1 multiplies the f16 weights by f16(scale * 2**SHIFT)
             gs = gs * 2.0 ** SCALE_SHIFT
-        su_gu = _pad_minor(gs if k_minor else jnp.swapaxes(gs, -1, -2), 4)   # [U, 2, F/128, nd+]
-        su_d = _pad_minor(ds_, 4)                              # [U, F/128, nd+] ([U, nd, F/128+] if k_minor)
+        su_gu = _pad_minor(jnp.swapaxes(gs, -1, -2), 4)                  # [U, 2, F/128, nd+]
+        su_d = _pad_minor(jnp.swapaxes(ds_, -1, -2) if k_minor else ds_, 4)   # [U, F/128, nd+] ([U, nd, F/128+])
     limits = (limit, limit if shared is None else sh_limit)
     w_sh = (None, None) if shared is None else (sh_gu, sh_d)
     act = _gate_up(uniq, xp, w_gate_up, su_gu, limits, split_d, stages, interpret, w_sh[0], x_scale, fp8_async,

@@ -44,6 +44,11 @@ Design
   accumulator for the whole K range) and each tile's WGMMA stays in flight while the next tile
   converts (buffers released one pipeline step late; stages >= 2). Rounds scale and products to
   f16 (2**-11 relative), finer than the model's bf16 dequantisation.
+* ``k_minor=True`` (session 8; CPU-checked, not yet run on a GPU): w as [N, K] (torch's Linear
+  layout). Each [bn, 128] tile is then a WGMMA A operand as it lies: bf16 straight from the TMA
+  buffer, fp8 loaded 4 bytes per thread, converted to f16 and relaid in registers
+  (``common.a_regs``) and multiplied from there: no f16 SMEM tile (interpret mode, which cannot
+  take a register operand, stages it through SMEM: ``common.a_operand``).
 * fp8 tiles come from SMEM to registers 4 bytes per thread (``common.load_fp8``, session 8: 2-5%
   faster than the WGMMA layout's 2 bytes).
 * Output: a [bn, m_pad] tile per program, TMA'd to ``part [split_k, N, m_pad]`` (float32 when
@@ -84,7 +89,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import SCALE_SHIFT, X_TOP_EXP, f16_rows, load_fp8, store, swizzled
+from pallas_kernels.common import SCALE_SHIFT, X_TOP_EXP, a_operand, a_regs, f16_rows, load_fp8, store, swizzled
 
 __all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "SkinnyConfig", "skinny_gemm_config", "skinny_gemm_pallas",
            "skinny_gemm_reference", "weight_bytes"]
@@ -116,15 +121,16 @@ class SkinnyConfig:
 
 
 
-def _smem_bytes(block_n, stages, m_pad, fp8, n_kblocks):
+def _smem_bytes(block_n, stages, m_pad, fp8, n_kblocks, k_minor=False):
     w_tile = BLOCK * block_n * (1 if fp8 else 2)
     x_tile = m_pad * BLOCK * 2
-    extra = (BLOCK * block_n * 2 + 4 * n_kblocks) if fp8 else 0   # dequantised tile + scales
+    f16_tile = 0 if k_minor else BLOCK * block_n * 2     # k_minor: the A operand from registers
+    extra = (f16_tile + 4 * n_kblocks) if fp8 else 0     # dequantised tile + scales
     return stages * (w_tile + x_tile) + extra
 
 
 def skinny_gemm_config(M: int, K: int, N: int, fp8: bool, *, block_n=None, split_k=None,
-                       stages=None) -> SkinnyConfig:
+                       stages=None, k_minor=False) -> SkinnyConfig:
     """The tiling `skinny_gemm_pallas` uses for these shapes (None = the default heuristic)."""
     m_pad = 8 if M <= 8 else MAX_M
     nk = K // BLOCK
@@ -138,26 +144,29 @@ def skinny_gemm_config(M: int, K: int, N: int, fp8: bool, *, block_n=None, split
     if stages is None and fp8:
         stages = FP8_STAGES
     if stages is None:
-        per = _smem_bytes(block_n, 1, m_pad, fp8, 0) - (BLOCK * block_n * 2 if fp8 else 0)
-        fixed = _smem_bytes(block_n, 0, m_pad, fp8, nk)
+        per = _smem_bytes(block_n, 1, m_pad, fp8, 0, k_minor) - _smem_bytes(block_n, 0, m_pad, fp8, 0, k_minor)
+        fixed = _smem_bytes(block_n, 0, m_pad, fp8, nk, k_minor)
         stages = max(2, min(8, (SMEM_TARGET - fixed) // per))
     stages = max(1, min(stages, nk // split_k))   # emit_pipeline shrinks it the same way
-    return SkinnyConfig(block_n, split_k, stages, m_pad, _smem_bytes(block_n, stages, m_pad, fp8, nk))
+    return SkinnyConfig(block_n, split_k, stages, m_pad, _smem_bytes(block_n, stages, m_pad, fp8, nk, k_minor))
 
 
-def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_schedule="serial"):
+def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_schedule="serial", k_minor=False):
     """xp [m_pad, K] bf16 (f16 for fp8 w), w [K, N], s_t [N/128 blocks, K/128 (+pad)] f32 or None
     -> part [split_k, N, m_pad] part_dtype. fp8_schedule: 'serial' | 'pair' | 'async' (module
-    docstring; 'async' wants s_t pre-multiplied by 2**SCALE_SHIFT)."""
-    K, N = w.shape
+    docstring; 'async' wants s_t pre-multiplied by 2**SCALE_SHIFT). k_minor: w [N, K]."""
+    N, K = w.shape if k_minor else w.shape[::-1]
     fp8 = s_t is not None
     bn, S, mp = cfg.block_n, cfg.split_k, cfg.m_pad
     kps = K // BLOCK // S                                   # K tiles per program
     ks = kps * BLOCK
     x_tf = swizzled(BLOCK, 2)
     w_tf = swizzled(bn, 2)
-    specs = [plgpu.BlockSpec((BLOCK, bn), lambda i: (i, 0), transforms=swizzled(bn, 1) if fp8 else w_tf),
-             plgpu.BlockSpec((mp, BLOCK), lambda i: (0, i), transforms=x_tf)]
+    if k_minor:        # [bn, 128] tiles: the WGMMA A operand as they lie (fp8: via registers)
+        w_spec = plgpu.BlockSpec((bn, BLOCK), lambda i: (0, i), transforms=swizzled(BLOCK, 1 if fp8 else 2))
+    else:
+        w_spec = plgpu.BlockSpec((BLOCK, bn), lambda i: (i, 0), transforms=swizzled(bn, 1) if fp8 else w_tf)
+    specs = [w_spec, plgpu.BlockSpec((mp, BLOCK), lambda i: (0, i), transforms=x_tf)]
 
     def store_out(y, part_g, j, s):
         def scoped(o_s):
@@ -168,14 +177,15 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
         pl.run_scoped(scoped, plgpu.SMEM((bn, mp), part_dtype))
 
     def operands(w_g, x_g, j, s):
-        return (w_g.at[pl.ds(s * ks, ks), pl.ds(j * bn, bn)], x_g.at[:, pl.ds(s * ks, ks)])
+        w_view = w_g.at[pl.ds(j * bn, bn), pl.ds(s * ks, ks)] if k_minor else w_g.at[pl.ds(s * ks, ks), pl.ds(j * bn, bn)]
+        return (w_view, x_g.at[:, pl.ds(s * ks, ks)])
 
     def body_bf16(x_g, w_g, part_g):
         j, s = lax.axis_index("n"), lax.axis_index("k")
 
         def scoped(acc):
             def step(_, w_s, x_s):
-                plgpu.wgmma(acc, w_s.T, x_s.T)
+                plgpu.wgmma(acc, w_s if k_minor else w_s.T, x_s.T)
                 plgpu.wgmma_wait(0)
 
             plgpu.emit_pipeline(step, grid=(kps,), in_specs=specs,
@@ -284,10 +294,45 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
                           plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1))
         store_out(y, part_g, j, s)
 
+    def body_fp8_kminor(x_g, w_g, s_g, part_g, *wb):
+        """k_minor fp8: each [bn, 128] tile converted to f16 in registers (exact) and multiplied from
+        there (no f16 SMEM tile; interpret mode stages it through `wb`), the product weighted by its
+        block scale as in body_fp8."""
+        j, s = lax.axis_index("n"), lax.axis_index("k")
+        wb_s = wb[0] if wb else None
+
+        def scoped(s_s, bar):
+            plgpu.copy_gmem_to_smem(s_g.at[(j * bn) // BLOCK], s_s, bar.at[0])
+
+            def step(idxs, w8_s, x_s, carry):
+                (i,) = idxs
+                a = a_regs(w8_s)                                 # f16 [bn, 128] in registers
+
+                def mma(acc):
+                    plgpu.wgmma(acc, a_operand(a, wb_s, interpret), x_s.T)
+                    plgpu.wgmma_wait(0)
+                    return acc[...]
+
+                p = pl.run_scoped(mma, plgpu.ACC((bn, mp), _F32))
+                pl.when(i == 0)(lambda: plgpu.barrier_wait(bar.at[0]))
+                return carry + p * s_s[s * kps + i]
+
+            zero = plgpu.layout_cast(jnp.zeros((bn, mp), _F32), _WG)
+            return plgpu.emit_pipeline(step, grid=(kps,), in_specs=specs,
+                                       max_concurrent_steps=cfg.stages,
+                                       init_carry=zero)(*operands(w_g, x_g, j, s))
+
+        y = pl.run_scoped(scoped, plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1))
+        store_out(y, part_g, j, s)
+
     fp8_body = {"serial": body_fp8, "pair": body_fp8_pair, "async": body_fp8_async}[fp8_schedule]
+    if k_minor:
+        fp8_body = body_fp8_kminor
+    interp_tile = fp8 and k_minor and interpret     # interpret mode's SMEM copy of the register operand
     kernel = plgpu.kernel(
         fp8_body if fp8 else body_bf16,
         out_type=jax.ShapeDtypeStruct((S, N, mp), part_dtype),
+        scratch_types=(plgpu.SMEM((bn, BLOCK), _F16, transforms=swizzled(BLOCK, 2)),) if interp_tile else (),
         grid=(N // bn, S),
         grid_names=("n", "k"),
         interpret=interpret if interpret else None,
@@ -296,22 +341,27 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
 
 
 def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=None,
-                       interpret=False, out_dtype=None, fp8_schedule="serial"):
+                       interpret=False, out_dtype=None, fp8_schedule="serial", k_minor=False):
     """y [M, N] = x [M, K] @ w [K, N] (w bf16, or fp8 e4m3 dequantised with `scale`); see the
     module docstring. ``block_n``/``split_k``/``stages``: tiling overrides (None = default, see
     :func:`skinny_gemm_config`). ``interpret``: False (compile for the GPU) or a
     ``plgpu.InterpretGPUParams``. ``out_dtype``: default x.dtype (float32 for lm_head logits).
-    ``fp8_schedule``: 'serial' (default: convert, WGMMA, wait per K tile) or 'pair' (two K tiles
+    ``fp8_schedule``: 'serial' (default: convert, WGMMA, wait per K tile), 'pair' (two K tiles
     per pipeline step, the second converted while the first multiplies; needs an even number of
-    K tiles per program; not yet run on a GPU).
+    K tiles per program) or 'async' (module docstring); neither beat 'serial' on the H200.
+    ``k_minor``: w is [N, K] (K minor, torch's Linear layout; scale as always [K/128, ceil(N/128)],
+    the Fp8Weight convention of [IN blocks, OUT blocks]); fp8
+    tiles become the WGMMA A operand in registers, no f16 SMEM tile ('serial' only; not yet run on
+    a GPU, session 8).
     """
     if fp8_schedule not in FP8_SCHEDULES:
         raise ValueError(f"fp8_schedule={fp8_schedule!r} must be one of {FP8_SCHEDULES}")
+    w_dims = "[N, K]" if k_minor else "[K, N]"
     if x.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"x {x.shape} and w {w.shape} must be 2-D: [M, K] and [K, N] (reshape fused "
-                         "weights to [K, N] first)")
+        raise ValueError(f"x {x.shape} and w {w.shape} must be 2-D: [M, K] and {w_dims} (reshape fused "
+                         f"weights to {w_dims} first)")
     M, K = x.shape
-    K2, N = w.shape
+    N, K2 = w.shape if k_minor else w.shape[::-1]
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if K2 != K:
         raise ValueError(f"x {x.shape} and w {w.shape} disagree on K")
@@ -343,7 +393,9 @@ def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=N
     if fp8 and tuple(scale.shape) != (nk, nb):
         raise ValueError(f"scale {tuple(scale.shape)} must be [K/128, ceil(N/128)] = {(nk, nb)} "
                          "(one float32 per 128 x 128 block of w)")
-    cfg = skinny_gemm_config(M, K, N, fp8, block_n=block_n, split_k=split_k, stages=stages)
+    if fp8 and k_minor and fp8_schedule != "serial":
+        raise ValueError(f"fp8_schedule={fp8_schedule!r} is not implemented for k_minor weights; use 'serial'")
+    cfg = skinny_gemm_config(M, K, N, fp8, block_n=block_n, split_k=split_k, stages=stages, k_minor=k_minor)
     if fp8 and fp8_schedule == "async" and cfg.stages < 2:
         raise ValueError(f"fp8_schedule='async' needs stages >= 2 (a tile's buffers are released one step "
                          f"late, while its WGMMA runs); got stages={cfg.stages}")
@@ -365,20 +417,23 @@ def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=N
     else:
         xp = jnp.zeros((cfg.m_pad, K), _BF).at[:M].set(xb)
     part_dtype = _F32 if cfg.split_k > 1 or fp8 else out_dtype
-    part = _kernel_call(xp, w, s_t, cfg, part_dtype, interpret, fp8_schedule)     # [S, N, m_pad]
+    part = _kernel_call(xp, w, s_t, cfg, part_dtype, interpret, fp8_schedule, k_minor)   # [S, N, m_pad]
     y = (part[0] if cfg.split_k == 1 else part.sum(0))[:, :M].T          # [M, N]
     if fp8:
         y = jnp.ldexp(y, (e - X_TOP_EXP)[:, None])
     return y.astype(out_dtype)
 
 
-def skinny_gemm_reference(x, w, scale=None):
-    """float32 x @ dequantise(w) (XLA): the exact product the kernel approximates."""
+def skinny_gemm_reference(x, w, scale=None, k_minor=False):
+    """float32 x @ dequantise(w) (XLA): the exact product the kernel approximates (k_minor: w
+    [N, K]; scale [K/128, ceil(N/128)] either way)."""
     if scale is not None:
         from lingjax.param_layout import Matrix
         from lingjax.quant import dequantize
-        w = dequantize(w, scale, Matrix((), (0,), (1,)), (BLOCK, BLOCK), _F32)
-    return jnp.dot(x.astype(_F32), w.astype(_F32), precision=lax.Precision.HIGHEST)
+        view = Matrix((), (1,), (0,)) if k_minor else Matrix((), (0,), (1,))
+        w = dequantize(w, scale, view, (BLOCK, BLOCK), _F32)
+    w = w.astype(_F32)
+    return jnp.dot(x.astype(_F32), w.T if k_minor else w, precision=lax.Precision.HIGHEST)
 
 
 def weight_bytes(K: int, N: int, dtype=_BF) -> int:

@@ -307,9 +307,9 @@ def test_interpret_async_schedule_matches(M, D, F, mode, split_d, split_f, limit
 
 
 def _k_minor(vgu, sgu, vd, sd):
-    """The test weights with the contraction axis minor (the kernels' k_minor layout)."""
-    return (vgu.transpose(0, 2, 3, 1), None if sgu is None else jnp.swapaxes(sgu, -1, -2),
-            jnp.swapaxes(vd, 1, 2), None if sd is None else jnp.swapaxes(sd, 1, 2))
+    """The test weights with the contraction axis minor (the kernels' k_minor layout; the scales
+    keep their [.., IN blocks, OUT blocks] layout)."""
+    return vgu.transpose(0, 2, 3, 1), sgu, jnp.swapaxes(vd, 1, 2), sd
 
 
 # (M, mode, split_d, split_f, with_shared, kind): k_minor weights vs the same weights in the
@@ -354,7 +354,7 @@ def test_k_minor_checks():
     with pytest.raises(ValueError, match=r"do not match \[E, 2, F, D\]"):
         moe_experts_pallas(x, idx, w, vgu, sgu, jnp.swapaxes(vd, 1, 2), sd, k_minor=True, interpret=INTERPRET)
     with pytest.raises(ValueError, match="fp8 scales"):
-        moe_experts_pallas(x, idx, w, vgu, jnp.swapaxes(sgu, -1, -2), vd, sd, k_minor=True, interpret=INTERPRET)
+        moe_experts_pallas(x, idx, w, vgu, sgu, vd, jnp.swapaxes(sd, -1, -2), k_minor=True, interpret=INTERPRET)
     with pytest.raises(ValueError, match="not implemented for k_minor"):
         moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, k_minor=True, fp8_schedule="async", interpret=INTERPRET)
     with pytest.raises(ValueError, match="shared expert weights"):
@@ -495,9 +495,9 @@ def test_k_minor_cross_lowers_for_cuda_with_shared_expert(M, kind):
     S = jax.ShapeDtypeStruct
     dt, fp8 = (FP8, True) if kind == "fp8" else (BF16, False)
     sc = lambda *shape: S(shape, F32) if fp8 else None
-    args = (S((M, D), BF16), S((M, k), jnp.int32), S((M, k), F32), S((E, 2, F, D), dt), sc(E, 2, F // 128, D // 128),
-            S((E, D, F), dt), sc(E, D // 128, F // 128))
-    sh = (S((2, F, D), dt), sc(2, F // 128, D // 128), S((D, F), dt), sc(D // 128, F // 128))
+    args = (S((M, D), BF16), S((M, k), jnp.int32), S((M, k), F32), S((E, 2, F, D), dt), sc(E, 2, D // 128, F // 128),
+            S((E, D, F), dt), sc(E, F // 128, D // 128))
+    sh = (S((2, F, D), dt), sc(2, D // 128, F // 128), S((D, F), dt), sc(F // 128, D // 128))
     f = jax.jit(lambda *a: moe_experts_pallas(*a[:7], limit=7.0, shared=(*a[7:], 5.0), k_minor=True))
     text = f.trace(*args, *sh).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2

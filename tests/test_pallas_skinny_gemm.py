@@ -138,6 +138,26 @@ def test_interpret_async_schedule_rounds_scales_to_f16():
     _check(exact, ref, 1e-5)
 
 
+# k_minor=True: w [N, K] (fp8 tiles as register WGMMA operands; interpret mode stages them in SMEM)
+K_MINOR_CASES = [
+    (1, 256, 256, True, {}),
+    (9, 384, 192, True, dict(split_k=3)),                     # N = 1.5 scale blocks
+    (16, 256, 128, True, dict(block_n=128, stages=1)),
+    (5, 256, 256, False, dict(block_n=128, split_k=2)),
+]
+
+
+@pytest.mark.parametrize("M,K,N,fp8,kw", K_MINOR_CASES)
+@interpret_only
+def test_interpret_k_minor_matches_reference(M, K, N, fp8, kw):
+    w, s = _weights(K, N, fp8, seed=M + N + 2)
+    x = _x(M, K, seed=M)
+    out = jax.block_until_ready(skinny_gemm_pallas(x, w.T, s, interpret=INTERPRET, out_dtype=F32, k_minor=True, **kw))
+    _assert_no_race_flagged()
+    _check(out, skinny_gemm_reference(x, w, s), 1e-5)
+    _check(out, skinny_gemm_reference(x, w.T, s, k_minor=True), 1e-5)
+
+
 @interpret_only
 def test_interpret_default_out_dtype_is_x_dtype():
     w, s = _weights(256, 128, True, seed=3)
@@ -196,6 +216,9 @@ def test_rejects_bad_inputs():
         (dict(x=_x(2, 384), w=_weights(384, 128, True)[0], scale=_weights(384, 128, True)[1],
               fp8_schedule="pair", split_k=1), "even number of K tiles per program"),
         (dict(x=x, w=w, scale=s, fp8_schedule="async", stages=1), "'async' needs stages >= 2"),
+        (dict(x=x, w=w.T, scale=s, k_minor=True, fp8_schedule="pair"), "not implemented for k_minor"),
+        (dict(x=x, w=w, scale=s, k_minor=True), r"disagree on K"),           # [K, N] given as [N, K]
+        (dict(x=x, w=w.T, scale=s.T, k_minor=True), r"scale \(1, 2\) must be \[K/128, ceil\(N/128\)\]"),
     ]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
@@ -259,6 +282,16 @@ def test_async_schedule_cross_lowers_for_cuda_ling_shape(M, K, N):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("K,N", LING_SHAPES + [(2560, 576)])
+@pytest.mark.parametrize("M", [1, 9])
+def test_k_minor_cross_lowers_for_cuda_ling_shape(M, K, N, fp8):
+    f = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32 if N > 100_000 else None, k_minor=True))
+    x, w, *s = _abstract(M, K, N, fp8)
+    text = f.trace(x, jax.ShapeDtypeStruct((N, K), w.dtype), *s).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 @pytest.mark.parametrize("layout", ["wgmma", "upcast2x"])      # the default, 8bit, is covered above
 @pytest.mark.parametrize("schedule", ["serial", "async"])
 def test_fp8_load_layouts_cross_lower_for_cuda(schedule, layout):
@@ -303,6 +336,18 @@ def test_gpu_async_schedule_ling_shape_matches_reference(M, K, N):
 
 
 @gpu_only
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("K,N", LING_SHAPES)
+@pytest.mark.parametrize("M", [1, 9, 16])
+def test_gpu_k_minor_ling_shape_matches_reference(M, K, N, fp8):
+    w, s = _weights(K, N, fp8, seed=1)
+    x = _x(M, K, seed=M)
+    wt = jax.jit(lambda a: a.T)(w)
+    out = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32, k_minor=True))(x, wt, *(() if s is None else (s,)))
+    _check(out, jax.jit(skinny_gemm_reference)(x, w, s), 1e-4)
+
+
+@gpu_only
 @pytest.mark.parametrize("kw", [dict(block_n=128, split_k=1), dict(block_n=64, split_k=4, stages=2),
                                 dict(block_n=256, stages=2)])
 def test_gpu_tiling_overrides(kw):
@@ -336,3 +381,15 @@ def test_timing_entry_point_rejects_bad_load_layout(capsys):
     with pytest.raises(SystemExit):
         main(["--interpret", "--fp8-load-layout", "wgmma,wgmma", "--no-xla-defaults"])
     assert "--fp8-load-layout must be a comma list of distinct" in capsys.readouterr().err
+
+
+@interpret_only
+def test_timing_entry_point_k_minor_cpu_smoke(tmp_path):
+    """--k-minor: [N, K] weight copies, kernel and XLA rows on them, checked against the reference."""
+    from bench.skinny_gemm_timing import main
+    rec = main(["--interpret", "--k-minor", "--M", "3", "--shapes", "256x128", "--iters", "1", "--warmup", "1",
+                "--copies", "2", "--no-xla-defaults", "--out-dir", str(tmp_path)])
+    assert [r["dtype"] for r in rec["results"]] == ["bf16", "fp8"]
+    for r in rec["results"]:
+        assert r["k_minor"] and "kernel_error" not in r and "xla_error" not in r, r
+        assert r["max_abs_err"] <= 1e-5 * r["ref_max"]
