@@ -238,45 +238,27 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
             return pl.run_scoped(scoped, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
 
         def stream_fp8(sources):
+            """fp8: per chunk, the gate and up tiles as exact f16 WGMMA A operands (an f16 SMEM tile,
+            or with k_minor registers), a fresh product each, weighted into the carry by its scale."""
             plgpu.copy_gmem_to_smem(s_g.at[u, :, (j * TF) // BLOCK], s_s, bar.at[0])
             plgpu.barrier_wait(bar.at[0])
 
-            def step(idxs, g8_s, u8_s, x_s, carry):
-                (i,) = idxs
-                for c, src in enumerate((g8_s, u8_s)):       # e4m3 -> f16 is exact
+            def a_tiles(g8_s, u8_s):
+                if k_minor:                                  # [TF, 128] tiles, converted in registers
+                    return [a_operand(a_regs(src), None if wb_s is None else wb_s.at[c], interpret)
+                            for c, src in enumerate((g8_s, u8_s))]
+                for c, src in enumerate((g8_s, u8_s)):       # [128, TF] tiles; e4m3 -> f16 is exact
                     wb_s.at[c][...] = load_fp8(src).astype(_F16)
                 plgpu.commit_smem()
-
-                def mma(acc_g, acc_u):
-                    plgpu.wgmma(acc_g, wb_s.at[0].T, x_s.T)
-                    plgpu.wgmma(acc_u, wb_s.at[1].T, x_s.T)
-                    plgpu.wgmma_wait(0)
-                    return acc_g[...], acc_u[...]
-
-                pg, pu = pl.run_scoped(mma, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
-                k = p * kps + i
-                return carry[0] + pg * s_s[0, k], carry[1] + pu * s_s[1, k]
-
-            w_spec = plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=swizzled(TF, 1))
-            zero = plgpu.layout_cast(jnp.zeros((TF, MAX_M), _F32), _WG)
-            return plgpu.emit_pipeline(step, grid=(kps,), in_specs=[w_spec, w_spec, x_spec],
-                                       max_concurrent_steps=stages,
-                                       init_carry=(zero, zero))(*sources, x_g.at[:, rows])
-
-        def stream_fp8_kminor(sources):
-            """k-minor fp8: each [TF, 128] tile converted to f16 in registers, the WGMMA A operand
-            from there; per-chunk products weighted by the block scale (as stream_fp8)."""
-            plgpu.copy_gmem_to_smem(s_g.at[u, :, (j * TF) // BLOCK], s_s, bar.at[0])
-            plgpu.barrier_wait(bar.at[0])
+                return [wb_s.at[0].T, wb_s.at[1].T]
 
             def step(idxs, g8_s, u8_s, x_s, carry):
                 (i,) = idxs
-                a = [a_regs(src) for src in (g8_s, u8_s)]
+                a = a_tiles(g8_s, u8_s)
 
                 def mma(acc_g, acc_u):
-                    for c, acc in enumerate((acc_g, acc_u)):
-                        tile = None if wb_s is None else wb_s.at[c]
-                        plgpu.wgmma(acc, a_operand(a[c], tile, interpret), x_s.T)
+                    plgpu.wgmma(acc_g, a[0], x_s.T)
+                    plgpu.wgmma(acc_u, a[1], x_s.T)
                     plgpu.wgmma_wait(0)
                     return acc_g[...], acc_u[...]
 
@@ -284,7 +266,8 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
                 k = p * kps + i
                 return carry[0] + pg * s_s[0, k], carry[1] + pu * s_s[1, k]
 
-            w_spec = plgpu.BlockSpec((TF, BLOCK), lambda i: (0, i), transforms=swizzled(BLOCK, 1))
+            w_spec = (plgpu.BlockSpec((TF, BLOCK), lambda i: (0, i), transforms=swizzled(BLOCK, 1)) if k_minor
+                      else plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=swizzled(TF, 1)))
             zero = plgpu.layout_cast(jnp.zeros((TF, MAX_M), _F32), _WG)
             return plgpu.emit_pipeline(step, grid=(kps,), in_specs=[w_spec, w_spec, x_spec],
                                        max_concurrent_steps=stages,
@@ -321,7 +304,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
         def expert(sources, limit):
             """Stream one expert's gate / up columns (sources: their two [ds, TF] GMEM views)."""
             if fp8:
-                res = (stream_fp8_kminor if k_minor else stream_fp8_async if fp8_async else stream_fp8)(sources)
+                res = (stream_fp8_async if fp8_async else stream_fp8)(sources)
             else:
                 res = stream_bf16(sources)
             if split == 1:

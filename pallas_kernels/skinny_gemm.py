@@ -197,19 +197,26 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
     def body_fp8(x_g, w_g, s_g, part_g):
         j, s = lax.axis_index("n"), lax.axis_index("k")
 
-        def scoped(wb_s, s_s, bar):
+        def scoped(s_s, bar, *wb):
+            wb_s = wb[0] if wb else None          # the f16 tile (k_minor: interpret mode only)
             # this column block's scales; waited for in the first step, so that this load
             # overlaps the pipeline's first weight loads
             plgpu.copy_gmem_to_smem(s_g.at[(j * bn) // BLOCK], s_s, bar.at[0])
 
+            def a_tile(w8_s):
+                """The fp8 tile as an exact f16 WGMMA A operand [bn, 128]."""
+                if k_minor:                                     # in registers
+                    return a_operand(a_regs(w8_s), wb_s, interpret)
+                wb_s[...] = load_fp8(w8_s).astype(_F16)         # fp8 [128, bn]; one cvt per 2 values
+                plgpu.commit_smem()
+                return wb_s.T
+
             def step(idxs, w8_s, x_s, carry):
                 (i,) = idxs
-                v = load_fp8(w8_s)                              # fp8 [128, bn]
-                wb_s[...] = v.astype(_F16)                      # exact, one cvt per 2 values
-                plgpu.commit_smem()
+                a = a_tile(w8_s)
 
                 def mma(acc):
-                    plgpu.wgmma(acc, wb_s.T, x_s.T)
+                    plgpu.wgmma(acc, a, x_s.T)
                     plgpu.wgmma_wait(0)
                     return acc[...]
 
@@ -222,8 +229,10 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
                                        max_concurrent_steps=cfg.stages,
                                        init_carry=zero)(*operands(w_g, x_g, j, s))
 
-        y = pl.run_scoped(scoped, plgpu.SMEM((BLOCK, bn), _F16, transforms=w_tf),
-                          plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1))
+        tile = (plgpu.SMEM((bn, BLOCK), _F16, transforms=swizzled(BLOCK, 2)) if k_minor
+                else plgpu.SMEM((BLOCK, bn), _F16, transforms=w_tf))
+        y = pl.run_scoped(scoped, plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1),
+                          *((tile,) if not k_minor or interpret else ()))
         store_out(y, part_g, j, s)
 
     def body_fp8_pair(x_g, w_g, s_g, part_g):
@@ -294,45 +303,10 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
                           plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1))
         store_out(y, part_g, j, s)
 
-    def body_fp8_kminor(x_g, w_g, s_g, part_g, *wb):
-        """k_minor fp8: each [bn, 128] tile converted to f16 in registers (exact) and multiplied from
-        there (no f16 SMEM tile; interpret mode stages it through `wb`), the product weighted by its
-        block scale as in body_fp8."""
-        j, s = lax.axis_index("n"), lax.axis_index("k")
-        wb_s = wb[0] if wb else None
-
-        def scoped(s_s, bar):
-            plgpu.copy_gmem_to_smem(s_g.at[(j * bn) // BLOCK], s_s, bar.at[0])
-
-            def step(idxs, w8_s, x_s, carry):
-                (i,) = idxs
-                a = a_regs(w8_s)                                 # f16 [bn, 128] in registers
-
-                def mma(acc):
-                    plgpu.wgmma(acc, a_operand(a, wb_s, interpret), x_s.T)
-                    plgpu.wgmma_wait(0)
-                    return acc[...]
-
-                p = pl.run_scoped(mma, plgpu.ACC((bn, mp), _F32))
-                pl.when(i == 0)(lambda: plgpu.barrier_wait(bar.at[0]))
-                return carry + p * s_s[s * kps + i]
-
-            zero = plgpu.layout_cast(jnp.zeros((bn, mp), _F32), _WG)
-            return plgpu.emit_pipeline(step, grid=(kps,), in_specs=specs,
-                                       max_concurrent_steps=cfg.stages,
-                                       init_carry=zero)(*operands(w_g, x_g, j, s))
-
-        y = pl.run_scoped(scoped, plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1))
-        store_out(y, part_g, j, s)
-
     fp8_body = {"serial": body_fp8, "pair": body_fp8_pair, "async": body_fp8_async}[fp8_schedule]
-    if k_minor:
-        fp8_body = body_fp8_kminor
-    interp_tile = fp8 and k_minor and interpret     # interpret mode's SMEM copy of the register operand
     kernel = plgpu.kernel(
         fp8_body if fp8 else body_bf16,
         out_type=jax.ShapeDtypeStruct((S, N, mp), part_dtype),
-        scratch_types=(plgpu.SMEM((bn, BLOCK), _F16, transforms=swizzled(BLOCK, 2)),) if interp_tile else (),
         grid=(N // bn, S),
         grid_names=("n", "k"),
         interpret=interpret if interpret else None,

@@ -504,6 +504,20 @@ def test_k_minor_cross_lowers_for_cuda_with_shared_expert(M, kind):
 
 
 # ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
+def _ling_with_shared(M, seed, kind="fp8", mode="independent"):
+    """Ling-shaped inputs with expert E of E + 1 random ones as the shared expert (own clamp 5.0,
+    routed 7.0): (x, idx, w, routed weights, shared tuple, reference [M, D])."""
+    E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
+    vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=seed, kind=kind)
+    routed = tuple(None if a is None else a[:E] for a in (vgu, sgu, vd, sd))
+    shared = (*(None if a is None else a[E] for a in (vgu, sgu, vd, sd)), 5.0)
+    idx, w = _routing(M, k, E, mode, seed=M)
+    x = jax.random.normal(jax.random.PRNGKey(M), (M, D), F32).astype(BF16)
+    ref_fn = jax.jit(_reference, static_argnames=("limit", "dtype"))
+    ref = ref_fn(x, idx, w, *routed, limit=7.0) + ref_fn(
+        x, jnp.full((M, 1), E, jnp.int32), jnp.ones((M, 1), F32), vgu, sgu, vd, sd, limit=5.0)
+    return x, idx, w, routed, shared, ref
+
 @gpu_only
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("mode", ["independent", "same"])
@@ -524,16 +538,8 @@ def test_gpu_ling_shape_matches_experts_gather(M, mode, kind):
 @pytest.mark.parametrize("M", [1, 9])
 def test_gpu_ling_shape_shared_expert(M, kind):
     """The shared expert as the kernels' last slot (expert E of E + 1 random ones), own clamp."""
-    E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
-    vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=2, kind=kind)
-    routed = tuple(None if a is None else a[:E] for a in (vgu, sgu, vd, sd))
-    shared = (vgu[E], None if sgu is None else sgu[E], vd[E], None if sd is None else sd[E], 5.0)
-    idx, w = _routing(M, k, E, "independent", seed=M)
-    x = jax.random.normal(jax.random.PRNGKey(M), (M, D), F32).astype(BF16)
+    x, idx, w, routed, shared, ref = _ling_with_shared(M, 2, kind)
     out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared))(x, idx, w, *routed)
-    ref_fn = jax.jit(_reference, static_argnames=("limit", "dtype"))
-    ref = ref_fn(x, idx, w, *routed, limit=7.0) + ref_fn(
-        x, jnp.full((M, 1), E, jnp.int32), jnp.ones((M, 1), F32), vgu, sgu, vd, sd, limit=5.0)
     _check(out, ref, 2e-2)
 
 
@@ -542,16 +548,8 @@ def test_gpu_ling_shape_shared_expert(M, kind):
 @pytest.mark.parametrize("M", [1, 9, 16])
 def test_gpu_async_schedule_ling_shape(M, mode):
     """fp8_schedule='async' at the Ling shape with the shared expert and clamps, vs the reference."""
-    E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
-    vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=3)
-    routed = (vgu[:E], sgu[:E], vd[:E], sd[:E])
-    shared = (vgu[E], sgu[E], vd[E], sd[E], 5.0)
-    idx, w = _routing(M, k, E, mode, seed=M)
-    x = jax.random.normal(jax.random.PRNGKey(M), (M, D), F32).astype(BF16)
+    x, idx, w, routed, shared, ref = _ling_with_shared(M, 3, mode=mode)
     out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared, fp8_schedule="async"))(x, idx, w, *routed)
-    ref_fn = jax.jit(_reference, static_argnames=("limit", "dtype"))
-    ref = ref_fn(x, idx, w, *routed, limit=7.0) + ref_fn(
-        x, jnp.full((M, 1), E, jnp.int32), jnp.ones((M, 1), F32), vgu, sgu, vd, sd, limit=5.0)
     _check(out, ref, 2e-2)
 
 
@@ -561,21 +559,13 @@ def test_gpu_async_schedule_ling_shape(M, mode):
 def test_gpu_k_minor_ling_shape(M, kind):
     """k_minor weights (register A operands for fp8) at the Ling shape with the shared expert, vs
     the default layout's kernel and the reference."""
-    E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
-    vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=6, kind=kind)
-    routed = tuple(None if a is None else a[:E] for a in (vgu, sgu, vd, sd))
-    one = tuple(None if a is None else a[E:] for a in (vgu, sgu, vd, sd))
-    shared = (*(None if a is None else a[0] for a in one), 5.0)
-    shared_k = (*(None if a is None else a[0] for a in _k_minor(*one)), 5.0)
-    idx, w = _routing(M, k, E, "independent", seed=M)
-    x = jax.random.normal(jax.random.PRNGKey(M), (M, D), F32).astype(BF16)
+    x, idx, w, routed, shared, ref = _ling_with_shared(M, 6, kind)
+    vgu, sgu, vd, sd = _k_minor(*(None if a is None else a[None] for a in shared[:4]))
+    shared_k = (vgu[0], None if sgu is None else sgu[0], vd[0], None if sd is None else sd[0], 5.0)
     out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared_k, k_minor=True))(
         x, idx, w, *_k_minor(*routed))
     base = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared))(x, idx, w, *routed)
     _check(out, base, 1e-3)
-    ref_fn = jax.jit(_reference, static_argnames=("limit", "dtype"))
-    ref = ref_fn(x, idx, w, *routed, limit=7.0) + ref_fn(
-        x, jnp.full((M, 1), E, jnp.int32), jnp.ones((M, 1), F32), vgu, sgu, vd, sd, limit=5.0)
     _check(out, ref, 2e-2)
 
 

@@ -316,22 +316,13 @@ def test_gpu_ling_shape_matches_reference(M, K, N, fp8):
 
 
 @gpu_only
+@pytest.mark.parametrize("schedule", ["pair", "async"])
 @pytest.mark.parametrize("K,N", LING_SHAPES)
 @pytest.mark.parametrize("M", [1, 9, 16])
-def test_gpu_pair_schedule_ling_shape_matches_reference(M, K, N):
+def test_gpu_fp8_schedules_ling_shape_match_reference(M, K, N, schedule):
     w, s = _weights(K, N, True, seed=1)
     x = _x(M, K, seed=M)
-    out = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32, fp8_schedule="pair"))(x, w, s)
-    _check(out, jax.jit(skinny_gemm_reference)(x, w, s), 1e-4)
-
-
-@gpu_only
-@pytest.mark.parametrize("K,N", LING_SHAPES)
-@pytest.mark.parametrize("M", [1, 9, 16])
-def test_gpu_async_schedule_ling_shape_matches_reference(M, K, N):
-    w, s = _weights(K, N, True, seed=1)
-    x = _x(M, K, seed=M)
-    out = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32, fp8_schedule="async"))(x, w, s)
+    out = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32, fp8_schedule=schedule))(x, w, s)
     _check(out, jax.jit(skinny_gemm_reference)(x, w, s), 1e-4)
 
 
