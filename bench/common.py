@@ -55,6 +55,15 @@ def int_list(ap, text: str, flag: str) -> list[int]:
         ap.error(f"{flag} must be comma-separated integers, got {text!r}")
 
 
+def choice_list(ap, text: str, flag: str, choices) -> list[str]:
+    """'serial,async' -> ['serial', 'async'] for a command-line flag whose values must be distinct
+    members of `choices` (empty text: []); anything else exits 2 via ap.error."""
+    vals = [t.strip() for t in text.split(",") if t.strip()]
+    if set(vals) - set(choices) or len(set(vals)) != len(vals):
+        ap.error(f"{flag} must be a comma list of distinct {', '.join(choices)}, got {text!r}")
+    return vals
+
+
 def time_fn(f, args, iters, warmup):
     """(median seconds of one blocked call, seconds per call when issued back to back)."""
     import jax

@@ -33,7 +33,7 @@ import argparse
 import itertools
 import time
 
-from bench.common import int_list, loop_timing, time_rows
+from bench.common import choice_list, int_list, loop_timing, time_rows
 from lingjax import xla_env
 
 
@@ -229,18 +229,12 @@ def main(argv=None) -> dict:
     grids = {k: int_list(ap, v, "--" + k.replace("_", "-")) or [None]
              for k, v in (("split_d", a.split_d), ("split_f", a.split_f), ("stages", a.stages))}
     from pallas_kernels.moe_experts import FP8_SCHEDULES
-    schedules = [t.strip() for t in a.fp8_schedule.split(",") if t.strip()]
-    if set(schedules) - set(FP8_SCHEDULES) or len(set(schedules)) != len(schedules):
-        ap.error(f"--fp8-schedule must be a comma list of distinct {', '.join(FP8_SCHEDULES)}, got {a.fp8_schedule!r}")
+    schedules = choice_list(ap, a.fp8_schedule, "--fp8-schedule", FP8_SCHEDULES)
     if schedules and a.weights != "fp8":
         ap.error("--fp8-schedule is for --weights fp8")
     grids["fp8_schedule"] = schedules or [None]
     from pallas_kernels.common import FP8_LOAD_LAYOUTS
-    layouts = [t.strip() for t in a.fp8_load_layout.split(",") if t.strip()]
-    if set(layouts) - set(FP8_LOAD_LAYOUTS) or len(set(layouts)) != len(layouts):
-        ap.error(f"--fp8-load-layout must be a comma list of distinct {', '.join(FP8_LOAD_LAYOUTS)}, "
-                 f"got {a.fp8_load_layout!r}")
-    grids["fp8_load_layout"] = layouts or [None]
+    grids["fp8_load_layout"] = choice_list(ap, a.fp8_load_layout, "--fp8-load-layout", FP8_LOAD_LAYOUTS) or [None]
     tilings = [{k: v for k, v in zip(grids, combo) if v is not None} for combo in itertools.product(*grids.values())]
     weights = split_shared(make_weights(a.E + a.shared, a.D, a.F, a.seed, a.weights), a.E, a.limit, a.shared)
     kernel_weights = k_minor_weights(weights) if a.k_minor else None

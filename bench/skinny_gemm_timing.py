@@ -32,7 +32,7 @@ import itertools
 import json
 from pathlib import Path
 
-from bench.common import COPY_BW_H200, int_list, loop_timing, time_rows
+from bench.common import COPY_BW_H200, choice_list, int_list, loop_timing, time_rows
 from lingjax import xla_env
 
 LING_SHAPES = "2560x20480,4096x2560,2560x157184"
@@ -190,14 +190,10 @@ def main(argv=None) -> dict:
                for combo in itertools.product(*grids.values())]
     from pallas_kernels.skinny_gemm import FP8_SCHEDULES
     from pallas_kernels.common import FP8_LOAD_LAYOUTS
-    layouts = [t.strip() for t in a.fp8_load_layout.split(",") if t.strip()]
-    if set(layouts) - set(FP8_LOAD_LAYOUTS) or len(set(layouts)) != len(layouts):
-        ap.error(f"--fp8-load-layout must be a comma list of distinct {', '.join(FP8_LOAD_LAYOUTS)}, "
-                 f"got {a.fp8_load_layout!r}")
-    layouts = layouts or [None]
-    schedules = [t.strip() for t in a.fp8_schedule.split(",") if t.strip()]
-    if not schedules or set(schedules) - set(FP8_SCHEDULES) or len(set(schedules)) != len(schedules):
-        ap.error(f"--fp8-schedule must be a comma list of distinct {', '.join(FP8_SCHEDULES)}, got {a.fp8_schedule!r}")
+    layouts = choice_list(ap, a.fp8_load_layout, "--fp8-load-layout", FP8_LOAD_LAYOUTS) or [None]
+    schedules = choice_list(ap, a.fp8_schedule, "--fp8-schedule", FP8_SCHEDULES)
+    if not schedules:
+        ap.error(f"--fp8-schedule must name at least one of {', '.join(FP8_SCHEDULES)}")
     if not a.no_xla_defaults:
         xla_env.configure()
     import jax

@@ -94,3 +94,18 @@ def test_more_sets_than_per_iter_and_positive_times():
 def test_copy_probe_runs_in_place():
     bw = measure_copy_bandwidth(4 << 20, repeats=2, chain=3)
     assert bw > 0 and bw == bw
+
+
+def test_choice_list(capsys):
+    import argparse
+
+    import pytest
+
+    from bench.common import choice_list
+    ap = argparse.ArgumentParser()
+    assert choice_list(ap, "serial, async", "--x", ("serial", "async")) == ["serial", "async"]
+    assert choice_list(ap, "", "--x", ("serial",)) == []
+    for bad in ("serial,serial", "fast"):
+        with pytest.raises(SystemExit):
+            choice_list(ap, bad, "--x", ("serial", "async"))
+        assert "--x must be a comma list of distinct serial, async" in capsys.readouterr().err
