@@ -275,7 +275,8 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
 
         def stream_fp8_async(sources):
             """Block scales folded into the f16 conversion (su_gu holds scale * 2**SCALE_SHIFT): one
-            accumulator per output, each chunk's WGMMAs left in flight while the next converts."""
+            accumulator per output, each chunk's WGMMAs left in flight while the next converts
+            (k_minor: the scaled tiles stay in registers as the A operands)."""
             plgpu.copy_gmem_to_smem(s_g.at[u, :, (j * TF) // BLOCK], s_s, bar.at[0])
             plgpu.barrier_wait(bar.at[0])
 
@@ -283,17 +284,28 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
                 def step(idxs, g8_s, u8_s, x_s):
                     (i,) = idxs
                     k = p * kps + i
-                    vs = [load_fp8(src).astype(_F16) * s_s[c, k].astype(_F16)
-                          for c, src in enumerate((g8_s, u8_s))]
-                    plgpu.wgmma_wait(0)              # the previous chunk's WGMMAs have read wb_s
-                    for c in range(2):
-                        wb_s.at[c][...] = vs[c]
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc_g, wb_s.at[0].T, x_s.T)      # left in flight (the chunk's
-                    plgpu.wgmma(acc_u, wb_s.at[1].T, x_s.T)      # buffers released a step late)
+                    if k_minor:
+                        a = [a_regs(src) * s_s[c, k].astype(_F16) for c, src in enumerate((g8_s, u8_s))]
+                        if interpret:                # its SMEM staging tiles are reused below
+                            plgpu.wgmma_wait(0)
+                        a = [a_operand(a[c], None if wb_s is None else wb_s.at[c], interpret) for c in range(2)]
+                    else:
+                        vs = [load_fp8(src).astype(_F16) * s_s[c, k].astype(_F16)
+                              for c, src in enumerate((g8_s, u8_s))]
+                        plgpu.wgmma_wait(0)          # the previous chunk's WGMMAs have read wb_s
+                        for c in range(2):
+                            wb_s.at[c][...] = vs[c]
+                        plgpu.commit_smem()
+                        a = [wb_s.at[0].T, wb_s.at[1].T]
+                    plgpu.wgmma(acc_g, a[0], x_s.T)      # left in flight (the chunk's buffers
+                    plgpu.wgmma(acc_u, a[1], x_s.T)      # are released a step late)
 
-                w_spec = plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=swizzled(TF, 1),
-                                         delay_release=1)
+                if k_minor:
+                    w_spec = plgpu.BlockSpec((TF, BLOCK), lambda i: (0, i), transforms=swizzled(BLOCK, 1),
+                                             delay_release=1)
+                else:
+                    w_spec = plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=swizzled(TF, 1),
+                                             delay_release=1)
                 xa_spec = plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=x_tf, delay_release=1)
                 plgpu.emit_pipeline(step, grid=(kps,), in_specs=[w_spec, w_spec, xa_spec],
                                     max_concurrent_steps=stages)(*sources, x_g.at[:, rows])
@@ -410,9 +422,12 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp
                     if k_minor:
                         if fp8:      # dequantised in registers: the A operand from there
                             a = a_regs(w_s, s_s[(j * td) // BLOCK, p * kps + i], _BF)
+                            if fp8_async and interpret:      # its SMEM staging tile is reused
+                                plgpu.wgmma_wait(0)
                             w_s = a_operand(a, wb_s, interpret)
                         plgpu.wgmma(acc, w_s, a_s.T)
-                        plgpu.wgmma_wait(0)
+                        if not fp8_async:
+                            plgpu.wgmma_wait(0)
                         return
                     if fp8:      # dequantise the fp8 chunk into the swizzled bf16 tile
                         v = load_fp8(w_s)                                 # swizzled fp8 tile
@@ -428,7 +443,8 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp
 
                 late = 1 if fp8_async else 0         # async: buffers released one step late
                 if k_minor:
-                    w_spec = plgpu.BlockSpec((td, BLOCK), lambda i: (0, i), transforms=swizzled(BLOCK, 1 if fp8 else 2))
+                    w_spec = plgpu.BlockSpec((td, BLOCK), lambda i: (0, i), transforms=swizzled(BLOCK, 1 if fp8 else 2),
+                                             delay_release=late)
                 else:
                     w_spec = plgpu.BlockSpec((BLOCK, td), lambda i: (i, 0),
                                              transforms=swizzled(td, 1) if fp8 else w_tf, delay_release=late)
@@ -506,7 +522,8 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     ``k_minor``: the weight values with the contraction axis minor, as the published checkpoint
     stores them: w_gate_up [E, 2, F, D], w_down [E, D, F] (shared: [2, F, D], [D, F]); the scales
     as always [.., IN blocks, OUT blocks] (the Fp8Weight convention); fp8 tiles then
-    become the WGMMA A operand in registers (no 16-bit SMEM tile; 'serial' schedule only). Not yet
+    become the WGMMA A operand in registers (no 16-bit SMEM tile; 'async' leaves those WGMMAs in
+    flight too). Not yet
     run on a GPU (session 8: interpret mode, which stages the register operand through SMEM, and
     cross-lowering).
     ``interpret``: False (compile for the GPU) or a ``plgpu.InterpretGPUParams``. -> [M, D] x.dtype.
@@ -560,8 +577,6 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     if fp8_schedule not in FP8_SCHEDULES:
         raise ValueError(f"fp8_schedule={fp8_schedule!r} must be one of {FP8_SCHEDULES}")
     fp8_async = fp8 and fp8_schedule == "async"
-    if fp8_async and k_minor:
-        raise ValueError("fp8_schedule='async' is not implemented for k_minor weights; use 'serial'")
     if stages < 1 or (fp8_async and stages < 2):
         raise ValueError(f"stages={stages} must be >= 1 (>= 2 for fp8_schedule='async': a chunk's buffers are "
                          "released one step late, while its WGMMA runs)")

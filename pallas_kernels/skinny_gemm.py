@@ -180,6 +180,12 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
         w_view = w_g.at[pl.ds(j * bn, bn), pl.ds(s * ks, ks)] if k_minor else w_g.at[pl.ds(s * ks, ks), pl.ds(j * bn, bn)]
         return (w_view, x_g.at[:, pl.ds(s * ks, ks)])
 
+    def f16_tile():
+        """The f16 weight tile in SMEM (k_minor fp8: interpret mode's copy of the register operand)."""
+        if k_minor:
+            return plgpu.SMEM((bn, BLOCK), _F16, transforms=swizzled(BLOCK, 2))
+        return plgpu.SMEM((BLOCK, bn), _F16, transforms=w_tf)
+
     def body_bf16(x_g, w_g, part_g):
         j, s = lax.axis_index("n"), lax.axis_index("k")
 
@@ -229,10 +235,8 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
                                        max_concurrent_steps=cfg.stages,
                                        init_carry=zero)(*operands(w_g, x_g, j, s))
 
-        tile = (plgpu.SMEM((bn, BLOCK), _F16, transforms=swizzled(BLOCK, 2)) if k_minor
-                else plgpu.SMEM((BLOCK, bn), _F16, transforms=w_tf))
         y = pl.run_scoped(scoped, plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1),
-                          *((tile,) if not k_minor or interpret else ()))
+                          *((f16_tile(),) if not k_minor or interpret else ()))
         store_out(y, part_g, j, s)
 
     def body_fp8_pair(x_g, w_g, s_g, part_g):
@@ -275,23 +279,33 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
 
     def body_fp8_async(x_g, w_g, s_g, part_g):
         """Block scale folded into the f16 conversion: one accumulator, each tile's WGMMA left in
-        flight while the next tile converts (s_g holds scale * 2**SCALE_SHIFT)."""
+        flight while the next tile converts (s_g holds scale * 2**SCALE_SHIFT; k_minor: the scaled
+        tile stays in registers as the A operand)."""
         j, s = lax.axis_index("n"), lax.axis_index("k")
         async_specs = [plgpu.BlockSpec(sp.block_shape, sp.index_map, transforms=sp.transforms,
                                        delay_release=1) for sp in specs]
 
-        def scoped(wb_s, s_s, bar):
+        def scoped(s_s, bar, *wb):
+            wb_s = wb[0] if wb else None          # the f16 tile (k_minor: interpret mode only)
             plgpu.copy_gmem_to_smem(s_g.at[(j * bn) // BLOCK], s_s, bar.at[0])
 
             def mma(acc):
                 def step(idxs, w8_s, x_s):
                     (i,) = idxs
                     pl.when(i == 0)(lambda: plgpu.barrier_wait(bar.at[0]))
-                    v = load_fp8(w8_s).astype(_F16) * s_s[s * kps + i].astype(_F16)
-                    plgpu.wgmma_wait(0)                     # the previous tile's WGMMA has read wb_s
-                    wb_s[...] = v
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc, wb_s.T, x_s.T)         # left in flight (x_s released a step late)
+                    sc = s_s[s * kps + i].astype(_F16)
+                    if k_minor:
+                        a = a_regs(w8_s) * sc
+                        if interpret:                       # its SMEM staging tile is reused
+                            plgpu.wgmma_wait(0)
+                        a = a_operand(a, wb_s, interpret)
+                    else:
+                        v = load_fp8(w8_s).astype(_F16) * sc
+                        plgpu.wgmma_wait(0)                 # the previous tile's WGMMA has read wb_s
+                        wb_s[...] = v
+                        plgpu.commit_smem()
+                        a = wb_s.T
+                    plgpu.wgmma(acc, a, x_s.T)              # left in flight (x_s released a step late)
 
                 plgpu.emit_pipeline(step, grid=(kps,), in_specs=async_specs,
                                     max_concurrent_steps=cfg.stages)(*operands(w_g, x_g, j, s))
@@ -299,8 +313,8 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
 
             return pl.run_scoped(mma, plgpu.ACC((bn, mp), _F32))
 
-        y = pl.run_scoped(scoped, plgpu.SMEM((BLOCK, bn), _F16, transforms=w_tf),
-                          plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1))
+        y = pl.run_scoped(scoped, plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1),
+                          *((f16_tile(),) if not k_minor or interpret else ()))
         store_out(y, part_g, j, s)
 
     fp8_body = {"serial": body_fp8, "pair": body_fp8_pair, "async": body_fp8_async}[fp8_schedule]
@@ -325,8 +339,8 @@ def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=N
     K tiles per program) or 'async' (module docstring); neither beat 'serial' on the H200.
     ``k_minor``: w is [N, K] (K minor, torch's Linear layout; scale as always [K/128, ceil(N/128)],
     the Fp8Weight convention of [IN blocks, OUT blocks]); fp8
-    tiles become the WGMMA A operand in registers, no f16 SMEM tile ('serial' only; not yet run on
-    a GPU, session 8).
+    tiles become the WGMMA A operand in registers, no f16 SMEM tile ('serial' or 'async'; not yet
+    run on a GPU, session 8).
     """
     if fp8_schedule not in FP8_SCHEDULES:
         raise ValueError(f"fp8_schedule={fp8_schedule!r} must be one of {FP8_SCHEDULES}")
@@ -367,8 +381,8 @@ def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=N
     if fp8 and tuple(scale.shape) != (nk, nb):
         raise ValueError(f"scale {tuple(scale.shape)} must be [K/128, ceil(N/128)] = {(nk, nb)} "
                          "(one float32 per 128 x 128 block of w)")
-    if fp8 and k_minor and fp8_schedule != "serial":
-        raise ValueError(f"fp8_schedule={fp8_schedule!r} is not implemented for k_minor weights; use 'serial'")
+    if fp8 and k_minor and fp8_schedule == "pair":
+        raise ValueError("fp8_schedule='pair' is not implemented for k_minor weights; use 'serial' or 'async'")
     cfg = skinny_gemm_config(M, K, N, fp8, block_n=block_n, split_k=split_k, stages=stages, k_minor=k_minor)
     if fp8 and fp8_schedule == "async" and cfg.stages < 2:
         raise ValueError(f"fp8_schedule='async' needs stages >= 2 (a tile's buffers are released one step "

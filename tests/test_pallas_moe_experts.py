@@ -312,18 +312,19 @@ def _k_minor(vgu, sgu, vd, sd):
     return vgu.transpose(0, 2, 3, 1), sgu, jnp.swapaxes(vd, 1, 2), sd
 
 
-# (M, mode, split_d, split_f, with_shared, kind): k_minor weights vs the same weights in the
-# default layout (the same arithmetic: equal up to float32 summation order)
+# (M, mode, split_d, split_f, with_shared, kind, schedule): k_minor weights vs the same weights in
+# the default layout (the same arithmetic: equal up to float32 summation order)
 K_MINOR_CASES = [
-    (1, "independent", 4, 2, True, "fp8"),
-    (9, "overlap", 1, 1, False, "fp8"),
-    (3, "independent", 2, 1, True, "bf16"),
+    (1, "independent", 4, 2, True, "fp8", "serial"),
+    (9, "overlap", 1, 1, False, "fp8", "serial"),
+    (3, "independent", 2, 1, True, "bf16", "serial"),
+    (3, "overlap", 1, 2, True, "fp8", "async"),
 ]
 
 
-@pytest.mark.parametrize("M,mode,split_d,split_f,with_shared,kind", K_MINOR_CASES)
+@pytest.mark.parametrize("M,mode,split_d,split_f,with_shared,kind,schedule", K_MINOR_CASES)
 @interpret_only
-def test_interpret_k_minor_weights_match(M, mode, split_d, split_f, with_shared, kind):
+def test_interpret_k_minor_weights_match(M, mode, split_d, split_f, with_shared, kind, schedule):
     E, k, D, F = 16, 4, 512, 256
     vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=41 + M, kind=kind)
     routed = tuple(None if a is None else a[:E] for a in (vgu, sgu, vd, sd))
@@ -337,7 +338,7 @@ def test_interpret_k_minor_weights_match(M, mode, split_d, split_f, with_shared,
     read = np.zeros(E, bool)
     read[np.asarray(idx).ravel()] = True
     poisoned = _poison(jnp.asarray(~read), *routed)
-    kw = dict(split_d=split_d, split_f=split_f, interpret=INTERPRET)
+    kw = dict(split_d=split_d, split_f=split_f, fp8_schedule=schedule, interpret=INTERPRET)
     out = moe_experts_pallas(x, idx, w, *_k_minor(*poisoned), 0.02, shared=shared_k, k_minor=True, **kw)
     out = jax.block_until_ready(out)
     _assert_no_race_flagged()
@@ -355,8 +356,6 @@ def test_k_minor_checks():
         moe_experts_pallas(x, idx, w, vgu, sgu, jnp.swapaxes(vd, 1, 2), sd, k_minor=True, interpret=INTERPRET)
     with pytest.raises(ValueError, match="fp8 scales"):
         moe_experts_pallas(x, idx, w, vgu, sgu, vd, jnp.swapaxes(sd, -1, -2), k_minor=True, interpret=INTERPRET)
-    with pytest.raises(ValueError, match="not implemented for k_minor"):
-        moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, k_minor=True, fp8_schedule="async", interpret=INTERPRET)
     with pytest.raises(ValueError, match="shared expert weights"):
         moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, k_minor=True, interpret=INTERPRET,
                            shared=(vgu[0].transpose(2, 0, 1), sgu[0], vd[0], sd[0], None))
@@ -498,9 +497,11 @@ def test_k_minor_cross_lowers_for_cuda_with_shared_expert(M, kind):
     args = (S((M, D), BF16), S((M, k), jnp.int32), S((M, k), F32), S((E, 2, F, D), dt), sc(E, 2, D // 128, F // 128),
             S((E, D, F), dt), sc(E, F // 128, D // 128))
     sh = (S((2, F, D), dt), sc(2, D // 128, F // 128), S((D, F), dt), sc(F // 128, D // 128))
-    f = jax.jit(lambda *a: moe_experts_pallas(*a[:7], limit=7.0, shared=(*a[7:], 5.0), k_minor=True))
-    text = f.trace(*args, *sh).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("mosaic_gpu") >= 2
+    for schedule in ("serial", "async") if fp8 else ("serial",):
+        f = jax.jit(lambda *a: moe_experts_pallas(*a[:7], limit=7.0, shared=(*a[7:], 5.0), k_minor=True,
+                                                  fp8_schedule=schedule))
+        text = f.trace(*args, *sh).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("mosaic_gpu") >= 2, schedule
 
 
 # ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
@@ -554,17 +555,18 @@ def test_gpu_async_schedule_ling_shape(M, mode):
 
 
 @gpu_only
-@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("kind,schedule", [("fp8", "serial"), ("fp8", "async"), ("bf16", "serial")])
 @pytest.mark.parametrize("M", [1, 9, 16])
-def test_gpu_k_minor_ling_shape(M, kind):
+def test_gpu_k_minor_ling_shape(M, kind, schedule):
     """k_minor weights (register A operands for fp8) at the Ling shape with the shared expert, vs
     the default layout's kernel and the reference."""
     x, idx, w, routed, shared, ref = _ling_with_shared(M, 6, kind)
     vgu, sgu, vd, sd = _k_minor(*(None if a is None else a[None] for a in shared[:4]))
     shared_k = (vgu[0], None if sgu is None else sgu[0], vd[0], None if sd is None else sd[0], 5.0)
-    out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared_k, k_minor=True))(
-        x, idx, w, *_k_minor(*routed))
-    base = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared))(x, idx, w, *routed)
+    out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared_k, k_minor=True,
+                                                fp8_schedule=schedule))(x, idx, w, *_k_minor(*routed))
+    base = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared, fp8_schedule=schedule))(
+        x, idx, w, *routed)
     _check(out, base, 1e-3)
     _check(out, ref, 2e-2)
 
