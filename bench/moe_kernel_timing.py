@@ -21,10 +21,11 @@ bytes = weights (+ fp8 scales) of the distinct chosen experts (what each must re
 loop_bytes = their mean over the 4 draws; pct_4p3 = loop_bytes / loop time / 4.3 TB/s (the H200's
 copy bandwidth, the targets' yardstick), pct_copy = the same against the copy bandwidth measured
 in-process (bench.batch1.measure_copy_bandwidth). max_abs_err / ref_max: kernel vs gather.
---split-d / --split-f / --stages / --fp8-schedule / --fp8-load-layout: one row per combination of the listed overrides (the record's
-`tiling`; the gather row is timed once per M, with the first combination). --shared: the shared
-expert (expert E of E + 1 made) joins as the kernels' last slot; gather adds it as one more
-expert with weight 1 per token.
+--split-d / --split-f / --stages / --fp8-schedule / --fp8-load-layout: one row per combination of
+the listed overrides (the record's `tiling`; the gather row is timed once per M, with the first
+combination). --shared: the shared expert (expert E of E + 1 made) joins as the kernels' last
+slot; gather adds it as one more expert with weight 1 per token. --k-minor: the kernels get the
+weights transposed once (contraction axis minor); no gather row is timed.
 Writes bench/results/moe_kernel_timing-*.json (or --out-dir) via bench.common.save_result.
 """
 from __future__ import annotations
@@ -244,7 +245,8 @@ def main(argv=None) -> dict:
                     kernel_weights=kernel_weights)
         rec["k_minor"] = a.k_minor
         results.append(rec)
-        line = (f"M={M}{' +shared' if a.shared else ''}{' k-minor' if a.k_minor else ''} {tiling or 'default tiling'}: {rec['n_experts_used']} "
+        tags = (" +shared" if a.shared else "") + (" k-minor" if a.k_minor else "")
+        line = (f"M={M}{tags} {tiling or 'default tiling'}: {rec['n_experts_used']} "
                 f"experts, {rec['bytes'] / 1e6:.1f} MB, floor {rec['floor_us']:.1f} us")
         for n in ("kernel", "gather"):
             if n + "_loop_us" in rec:

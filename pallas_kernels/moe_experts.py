@@ -29,7 +29,8 @@ Design
   stages), multiplied on the tensor cores with the **weight tile as A** (transposed SMEM operand,
   64 output features as WGMMA rows) and the 16 padded tokens as B (the x chunk [16, 128],
   transposed SMEM operand): ``acc[f, m] += sum_d W[d, f] x[m, d]`` in fp32. fp8 chunks (swizzled
-  TMA tiles, loaded to registers 4 bytes per thread: ``common.load_fp8``) are converted to **float16** in registers (exact: sm_90 converts e4m3 -> f16 in
+  TMA tiles, loaded to registers 4 bytes per thread: ``common.load_fp8``) are converted to
+  **float16** in registers (exact: sm_90 converts e4m3 -> f16 in
   hardware, two values per instruction), stored to a swizzled f16 tile and multiplied into a
   fresh accumulator that the chunk's block scale then weights into a float32 carry (as in
   skinny_gemm); the tokens are f16 too, each row of x scaled in XLA by a power of two that puts
@@ -443,8 +444,8 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp
 
                 late = 1 if fp8_async else 0         # async: buffers released one step late
                 if k_minor:
-                    w_spec = plgpu.BlockSpec((td, BLOCK), lambda i: (0, i), transforms=swizzled(BLOCK, 1 if fp8 else 2),
-                                             delay_release=late)
+                    w_spec = plgpu.BlockSpec((td, BLOCK), lambda i: (0, i), delay_release=late,
+                                             transforms=swizzled(BLOCK, 1 if fp8 else 2))
                 else:
                     w_spec = plgpu.BlockSpec((BLOCK, td), lambda i: (i, 0),
                                              transforms=swizzled(td, 1) if fp8 else w_tf, delay_release=late)
@@ -521,11 +522,10 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     chunk's WGMMA in flight while the next chunk converts; needs stages >= 2). bf16 ignores it.
     ``k_minor``: the weight values with the contraction axis minor, as the published checkpoint
     stores them: w_gate_up [E, 2, F, D], w_down [E, D, F] (shared: [2, F, D], [D, F]); the scales
-    as always [.., IN blocks, OUT blocks] (the Fp8Weight convention); fp8 tiles then
-    become the WGMMA A operand in registers (no 16-bit SMEM tile; 'async' leaves those WGMMAs in
-    flight too). Not yet
-    run on a GPU (session 8: interpret mode, which stages the register operand through SMEM, and
-    cross-lowering).
+    as always [.., IN blocks, OUT blocks] (the Fp8Weight convention); fp8 tiles then become the
+    WGMMA A operand in registers (no 16-bit SMEM tile; 'async' leaves those WGMMAs in flight too).
+    Not yet run on a GPU (session 8: interpret mode, which stages the register operand through
+    SMEM, and cross-lowering).
     ``interpret``: False (compile for the GPU) or a ``plgpu.InterpretGPUParams``. -> [M, D] x.dtype.
     """
     M, D = x.shape
@@ -625,8 +625,8 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
 def moe_split(U: int, D: int, F: int, k_minor: bool = False) -> tuple[int, int]:
     """Default (split_d, split_f) for U expert slots: kernel 1 splits D when U * F/64 programs are
     too few (one token: 8 x 12 = 96 -> split 4, 5 chunks each), kernel 2 splits F the same way
-    (8 x D/128 = 160 -> 2, 3 chunks each; k_minor: D/64 tiles, 320 -> 1); a 9-token verify block
-    (~66 experts) splits neither."""
+    (8 x D/128 = 160 -> 2, 3 chunks each; k_minor: 8 x D/64 = 320 -> no split); a 9-token verify
+    block (~66 experts) splits neither."""
     td = TD_K_MINOR if k_minor else TD
     return (_split(U * (F // TF), D // BLOCK, 4), _split(U * (D // td), F // BLOCK, 2))
 

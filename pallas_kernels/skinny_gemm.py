@@ -33,7 +33,7 @@ Design
   Net: the float32 product of x_bf16 and the exact dequantised weight, up to float32 summation
   order -- more exact than the model's XLA path, which rounds ``w * scale`` to bf16. One scale
   block per tile: ``block_n`` in {64, 128} for fp8.
-* fp8 ``fp8_schedule='pair'`` (opt-in, not yet run on a GPU): each pipeline step takes two K
+* fp8 ``fp8_schedule='pair'`` (opt-in; session 6: not faster than 'serial'): each pipeline step takes two K
   tiles (two BlockSpecs per operand, even / odd tile); tile a is converted and its WGMMA issued,
   tile b is converted into a second f16 buffer while that WGMMA runs, then tile b's WGMMA, one
   wait, and both products are scaled into the carry. Half the steps, each converting one tile
@@ -177,8 +177,8 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
         pl.run_scoped(scoped, plgpu.SMEM((bn, mp), part_dtype))
 
     def operands(w_g, x_g, j, s):
-        w_view = w_g.at[pl.ds(j * bn, bn), pl.ds(s * ks, ks)] if k_minor else w_g.at[pl.ds(s * ks, ks), pl.ds(j * bn, bn)]
-        return (w_view, x_g.at[:, pl.ds(s * ks, ks)])
+        cols, ks_ = pl.ds(j * bn, bn), pl.ds(s * ks, ks)
+        return (w_g.at[cols, ks_] if k_minor else w_g.at[ks_, cols], x_g.at[:, ks_])
 
     def f16_tile():
         """The f16 weight tile in SMEM (k_minor fp8: interpret mode's copy of the register operand)."""
@@ -338,9 +338,8 @@ def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=N
     per pipeline step, the second converted while the first multiplies; needs an even number of
     K tiles per program) or 'async' (module docstring); neither beat 'serial' on the H200.
     ``k_minor``: w is [N, K] (K minor, torch's Linear layout; scale as always [K/128, ceil(N/128)],
-    the Fp8Weight convention of [IN blocks, OUT blocks]); fp8
-    tiles become the WGMMA A operand in registers, no f16 SMEM tile ('serial' or 'async'; not yet
-    run on a GPU, session 8).
+    the Fp8Weight convention of [IN blocks, OUT blocks]); fp8 tiles become the WGMMA A operand in
+    registers, no f16 SMEM tile ('serial' or 'async'; not yet run on a GPU, session 8).
     """
     if fp8_schedule not in FP8_SCHEDULES:
         raise ValueError(f"fp8_schedule={fp8_schedule!r} must be one of {FP8_SCHEDULES}")

@@ -550,7 +550,8 @@ def test_gpu_ling_shape_shared_expert(M, kind):
 def test_gpu_async_schedule_ling_shape(M, mode):
     """fp8_schedule='async' at the Ling shape with the shared expert and clamps, vs the reference."""
     x, idx, w, routed, shared, ref = _ling_with_shared(M, 3, mode=mode)
-    out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared, fp8_schedule="async"))(x, idx, w, *routed)
+    out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared, fp8_schedule="async"))(
+        x, idx, w, *routed)
     _check(out, ref, 2e-2)
 
 
