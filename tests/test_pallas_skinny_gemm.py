@@ -267,18 +267,11 @@ def test_cross_lowers_for_cuda_ling_shape(M, K, N, fp8):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("schedule", ["pair", "async"])
 @pytest.mark.parametrize("K,N", LING_SHAPES + [(2560, 576)])
 @pytest.mark.parametrize("M", [1, 9])
-def test_pair_schedule_cross_lowers_for_cuda_ling_shape(M, K, N):
-    f = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32 if N > 100_000 else None, fp8_schedule="pair"))
-    text = f.trace(*_abstract(M, K, N, True)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("K,N", LING_SHAPES + [(2560, 576)])
-@pytest.mark.parametrize("M", [1, 9])
-def test_async_schedule_cross_lowers_for_cuda_ling_shape(M, K, N):
-    f = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32 if N > 100_000 else None, fp8_schedule="async"))
+def test_fp8_schedules_cross_lower_for_cuda_ling_shape(M, K, N, schedule):
+    f = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32 if N > 100_000 else None, fp8_schedule=schedule))
     text = f.trace(*_abstract(M, K, N, True)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
