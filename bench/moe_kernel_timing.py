@@ -3,10 +3,11 @@
     python -m bench.moe_kernel_timing --M 1,9 [--weights fp8|bf16] [--iters 50] [--out-dir DIR]
     python -m bench.moe_kernel_timing --M 1,9 --shared --stages 2,3,4 --split-d 1,2,4 --no-gather  # sweep
     python -m bench.moe_kernel_timing --M 1,9 --shared --fp8-schedule serial,async --no-gather
-    python -m bench.moe_kernel_timing --M 1,9 --shared --k-minor      # register A operands (fp8)
+    python -m bench.moe_kernel_timing --M 1,9 --shared --k-major      # the [E,D,2,F] layout, for comparison
     python -m bench.moe_kernel_timing --interpret --M 1,3 --E 16 --D 256 --F 128 --k 4 --iters 1  # CPU smoke
 
-Shape (default Ling-3.0-flash): E=512 experts, D=2560, F=768, top-k 8; --weights fp8 (default):
+Shape (default Ling-3.0-flash): E=512 experts, D=2560, F=768, top-k 8, weights in the model's
+K-minor layout (w_gate_up [E,2,F,D], w_down [E,D,F]: k_minor=True); --weights fp8 (default):
 random fp8 values (random bytes, NaN codes zeroed) with random power-of-two block scales; bf16:
 random normal bf16 weights (std 0.02, no scales); made on the device; x bf16; each token picks
 k distinct experts uniformly (--seed). Rows per M. `loop` (the number the tables use):
@@ -24,8 +25,9 @@ in-process (bench.batch1.measure_copy_bandwidth). max_abs_err / ref_max: kernel 
 --split-d / --split-f / --stages / --fp8-schedule / --fp8-load-layout: one row per combination of
 the listed overrides (the record's `tiling`; the gather row is timed once per M, with the first
 combination). --shared: the shared expert (expert E of E + 1 made) joins as the kernels' last
-slot; gather adds it as one more expert with weight 1 per token. --k-minor: the kernels get the
-weights transposed once (contraction axis minor); no gather row is timed.
+slot; gather adds it as one more expert with weight 1 per token. --k-major: the kernels get the
+weights transposed once to the K-major layout (k_minor=False: w_gate_up [E,D,2,F], w_down
+[E,F,D], the model's layout before session 9); no gather row is timed.
 Writes bench/results/moe_kernel_timing-*.json (or --out-dir) via bench.common.save_result.
 """
 from __future__ import annotations
@@ -62,10 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-load-layout", default="",
                     help="comma list of register layouts for the fp8 tile loads (wgmma, upcast2x, 8bit; "
                          "default: pallas_kernels.common's): 2 or 4 bytes per thread and SMEM load")
-    ap.add_argument("--k-minor", action="store_true",
-                    help="expert weights with the contraction axis minor ([E,2,F,D] / [E,D,F], the published "
-                         "checkpoint's orientation: fp8 tiles become register WGMMA operands); the gather "
-                         "row is not timed, the error check still runs on the weights transposed back")
+    ap.add_argument("--k-major", action="store_true",
+                    help="the kernels on the weights transposed to the K-major layout ([E,D,2,F] / [E,F,D], "
+                         "k_minor=False: fp8 tiles converted through SMEM); the gather row is not timed, "
+                         "the error check still runs on the model-layout weights")
     ap.add_argument("--shared", action="store_true",
                     help="with a shared expert as one more slot (as the model runs Ling-3.0-flash); its "
                          "weights are one more random expert, its bytes are counted")
@@ -77,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_weights(E, D, F, seed, kind="fp8"):
-    """(w_gate_up fp8 [E,D,2,F], gu_scale [E,2,D/128,F/128], w_down fp8 [E,F,D], down_scale);
-    kind="bf16": (w_gate_up bf16, None, w_down bf16, None)."""
+    """(w_gate_up fp8 [E,2,F,D], gu_scale [E,2,D/128,F/128], w_down fp8 [E,D,F], down_scale
+    [E,F/128,D/128]): the model's K-minor layout; kind="bf16": (w_gate_up bf16, None, w_down bf16,
+    None)."""
     import jax
     import jax.numpy as jnp
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
@@ -92,11 +95,11 @@ def make_weights(E, D, F, seed, kind="fp8"):
         return 2.0 ** jax.random.randint(key, shape, -14, -8).astype(jnp.float32)
 
     if kind == "bf16":
-        make = jax.jit(lambda: (0.02 * jax.random.normal(ks[0], (E, D, 2, F), jnp.bfloat16), None,
-                                0.02 * jax.random.normal(ks[2], (E, F, D), jnp.bfloat16), None))
+        make = jax.jit(lambda: (0.02 * jax.random.normal(ks[0], (E, 2, F, D), jnp.bfloat16), None,
+                                0.02 * jax.random.normal(ks[2], (E, D, F), jnp.bfloat16), None))
         return jax.block_until_ready(make())
-    make = jax.jit(lambda: (fp8(ks[0], (E, D, 2, F)), scale(ks[1], (E, 2, D // 128, F // 128)),
-                            fp8(ks[2], (E, F, D)), scale(ks[3], (E, F // 128, D // 128))))
+    make = jax.jit(lambda: (fp8(ks[0], (E, 2, F, D)), scale(ks[1], (E, 2, D // 128, F // 128)),
+                            fp8(ks[2], (E, D, F)), scale(ks[3], (E, F // 128, D // 128))))
     return jax.block_until_ready(make())
 
 
@@ -117,15 +120,15 @@ def split_shared(weights, E, limit, shared: bool):
     return routed, sh
 
 
-def k_minor_weights(weights):
-    """`split_shared`'s (routed, shared) -> the same weights with the contraction axis minor
-    (moe_experts_pallas(k_minor=True)): w_gate_up [E,D,2,F] -> [E,2,F,D], w_down [E,F,D] -> [E,D,F];
+def k_major_weights(weights):
+    """`split_shared`'s (routed, shared) -> the same weights with the contraction axis major
+    (moe_experts_pallas(k_minor=False)): w_gate_up [E,2,F,D] -> [E,D,2,F], w_down [E,D,F] -> [E,F,D];
     the scales stay as they are ([.., IN blocks, OUT blocks])."""
     import jax
     import jax.numpy as jnp
 
-    def one(vgu, sgu, vd, sd, experts_axis: bool):     # False: the shared expert's [D, 2, F] / [F, D]
-        perm = (0, 2, 3, 1) if experts_axis else (1, 2, 0)
+    def one(vgu, sgu, vd, sd, experts_axis: bool):     # False: the shared expert's [2, F, D] / [D, F]
+        perm = (0, 3, 1, 2) if experts_axis else (2, 0, 1)
         return jnp.transpose(vgu, perm), sgu, jnp.swapaxes(vd, -1, -2), sd
 
     routed, shared = weights
@@ -138,7 +141,7 @@ def k_minor_weights(weights):
 def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True, kernel_weights=None) -> dict:
     """One row: M tokens, kernel `tiling` overrides ({split_d, split_f, stages, fp8_schedule,
     fp8_load_layout}); weights: the result of `split_shared` (for the gather path, and the
-    kernel's unless kernel_weights, the same in `k_minor_weights`' layout, are given)."""
+    kernel's unless kernel_weights, the same in `k_major_weights`' layout, are given)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -170,7 +173,7 @@ def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True, kerne
 
     def kern_fn(*xs):                 # the load layout is a trace-time setting
         with fp8_load_layout_set(tiling.get("fp8_load_layout")):
-            return moe_experts_pallas(*xs, limit=a.limit, shared=k_shared, k_minor=kernel_weights is not None,
+            return moe_experts_pallas(*xs, limit=a.limit, shared=k_shared, k_minor=kernel_weights is None,
                                       interpret=interpret, **kw)
     kern = jax.jit(kern_fn)
 
@@ -184,10 +187,10 @@ def run_M(M, a, weights, interpret, copy_bw, tiling=None, gather_row=True, kerne
         fgu, fd = vgu, vd                            # bf16: plain arrays
         if fp8:
             bf = jnp.bfloat16
-            fgu = Fp8Weight(vgu, sgu, view=Matrix((0, 2), (1,), (3,)), block=(128, 128), dtype=bf,
-                            logical=("experts", "embed", None, "mlp"))
-            fd = Fp8Weight(vd, sd, view=Matrix((0,), (1,), (2,)), block=(128, 128), dtype=bf,
-                           logical=("experts", "mlp", "embed"))
+            fgu = Fp8Weight(vgu, sgu, view=Matrix((0, 1), (3,), (2,)), block=(128, 128), dtype=bf,
+                            logical=("experts", None, "mlp", "embed"))
+            fd = Fp8Weight(vd, sd, view=Matrix((0,), (2,), (1,)), block=(128, 128), dtype=bf,
+                           logical=("experts", "embed", "mlp"))
         return experts_gather(x, idx, w, fgu, fd, a.limit)
 
     gather = jax.jit(gather_fn)
@@ -238,14 +241,14 @@ def main(argv=None) -> dict:
     grids["fp8_load_layout"] = choice_list(ap, a.fp8_load_layout, "--fp8-load-layout", FP8_LOAD_LAYOUTS) or [None]
     tilings = [{k: v for k, v in zip(grids, combo) if v is not None} for combo in itertools.product(*grids.values())]
     weights = split_shared(make_weights(a.E + a.shared, a.D, a.F, a.seed, a.weights), a.E, a.limit, a.shared)
-    kernel_weights = k_minor_weights(weights) if a.k_minor else None
+    kernel_weights = k_major_weights(weights) if a.k_major else None
     results = []
     for M, (n_tiling, tiling) in itertools.product(Ms, enumerate(tilings)):
         rec = run_M(M, a, weights, interpret, copy_bw, tiling, gather_row=n_tiling == 0,
                     kernel_weights=kernel_weights)
-        rec["k_minor"] = a.k_minor
+        rec["k_minor"] = not a.k_major
         results.append(rec)
-        tags = (" +shared" if a.shared else "") + (" k-minor" if a.k_minor else "")
+        tags = (" +shared" if a.shared else "") + (" k-major" if a.k_major else "")
         line = (f"M={M}{tags} {tiling or 'default tiling'}: {rec['n_experts_used']} "
                 f"experts, {rec['bytes'] / 1e6:.1f} MB, floor {rec['floor_us']:.1f} us")
         for n in ("kernel", "gather"):

@@ -1,6 +1,6 @@
 """Load checkpoints written by `python -m checkpoints_convert` (and dispatch HF vs converted dirs).
 
-Layout of a converted checkpoint directory (format `lingjax-converted`, version 1):
+Layout of a converted checkpoint directory (format `lingjax-converted`, version 2):
 
     manifest.json     format, kind ('ling' | 'dspark'), dtype policy, source, every parameter
                       (path, shape, stored dtype, part, fp8 layout) and every part's checksum
@@ -10,7 +10,9 @@ Layout of a converted checkpoint directory (format `lingjax-converted`, version 
                       a part holds consecutive parameters of one layer (or of the top level),
                       keyed by the dotted parameter path, e.g. `layers.3.attn.kv_b`
 
-Arrays are stored in the model's own layout (`lingjax.weights.plan_for`: [in, out], fused, stacked)
+Arrays are stored in the model's own layout (`lingjax.weights.plan_for`: fused, stacked; [in, out]
+for the attention projections, the published [out, in] for MLP and expert weights; version 1 had
+every matrix [in, out] and is refused: reconvert)
 and chunked along the axes the partition rules shard (`checkpoints_convert/chunks.py`: a 1-, 2-, 4-
 or 8-way shard of any array over 1 MiB per shard starts and ends on chunk boundaries), so a restore
 with target shardings reads only each device's shard. The reader takes any chunking (it is in each
@@ -23,7 +25,7 @@ manifest as `fp8 = {stack, in, out, block}` (axis lists of the stored array): pe
 (stack axes, in axes, out axes) and flatten to [*stack_dims, IN, OUT]; `scale_inv` is
 [*stack_dims, ceil(IN/block[0]), ceil(OUT/block[1])] and multiplies each block of that view. Each
 [IN, OUT] matrix is one published [out, in] weight transposed, so its scales are the published
-`weight_scale_inv` transposed. Loading dequantises (float32 product, then a cast) to the requested
+`weight_scale_inv` transposed (also for the K-minor MLP weights, whose values are not). Loading dequantises (float32 product, then a cast) to the requested
 dtype, or, with `fp8_weights=True`, keeps values and scales as the model's block-fp8 weights
 (`lingjax.quant.Fp8Weight`, which uses the same matrix view).
 """
@@ -43,7 +45,7 @@ import numpy as np
 from flax import nnx
 
 FORMAT = "lingjax-converted"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 PARAMS_DIR = "params"
 SCALE_SUFFIX = "_scale_inv"

@@ -1,6 +1,8 @@
 """Hugging Face tensor names -> lingjax parameters: one mapping table, used by the direct loader and
 by the converter. Each parameter path of `LingModel` gets the HF names it is built from and a
-function that assembles them (transpose [out, in] -> [in, out], fuse q/k/v/f/g, stack experts).
+function that assembles them (transpose [out, in] -> [in, out] for the K-major attention
+projections, fuse q/k/v/f/g, stack gate/up and experts in the published K-minor orientation:
+lingjax/param_layout.py).
 """
 from __future__ import annotations
 
@@ -32,6 +34,11 @@ def _t(w):
 def _stack_t(*ws):
     """[out, in] x n -> [in, n, out]"""
     return np.stack([_t(w) for w in ws], axis=1)
+
+
+def _stack(*ws):
+    """[out, in] x n -> [n, out, in] (K-minor, as published)"""
+    return np.stack(ws)
 
 
 def plan_for(cfg: LingConfig, with_mtp: bool) -> dict[Path_, TensorPlan]:
@@ -78,8 +85,8 @@ def plan_for(cfg: LingConfig, with_mtp: bool) -> dict[Path_, TensorPlan]:
         m = hf + "mlp."
         if not moe:
             return {
-                (*prefix, "w_gate_up"): TensorPlan((m + "gate_proj.weight", m + "up_proj.weight"), _stack_t),
-                (*prefix, "w_down"): TensorPlan((m + "down_proj.weight",), _t),
+                (*prefix, "w_gate_up"): TensorPlan((m + "gate_proj.weight", m + "up_proj.weight"), _stack),
+                (*prefix, "w_down"): TensorPlan((m + "down_proj.weight",), lambda w: w),
             }
         ex = [f"{m}experts.{i}." for i in range(e)]
         return {
@@ -87,11 +94,11 @@ def plan_for(cfg: LingConfig, with_mtp: bool) -> dict[Path_, TensorPlan]:
             (*prefix, "expert_bias"): TensorPlan((m + "gate.expert_bias",), lambda w: w),
             (*prefix, "w_gate_up"): TensorPlan(
                 tuple(x + n for x in ex for n in ("gate_proj.weight", "up_proj.weight")),
-                lambda *ws: np.stack([_stack_t(ws[2 * i], ws[2 * i + 1]) for i in range(e)])),
-            (*prefix, "w_down"): TensorPlan(tuple(x + "down_proj.weight" for x in ex), lambda *ws: np.stack([_t(w) for w in ws])),
+                lambda *ws: np.stack(ws).reshape(e, 2, *ws[0].shape)),
+            (*prefix, "w_down"): TensorPlan(tuple(x + "down_proj.weight" for x in ex), _stack),
             (*prefix, "shared", "w_gate_up"): TensorPlan(
-                (m + "shared_experts.gate_proj.weight", m + "shared_experts.up_proj.weight"), _stack_t),
-            (*prefix, "shared", "w_down"): TensorPlan((m + "shared_experts.down_proj.weight",), _t),
+                (m + "shared_experts.gate_proj.weight", m + "shared_experts.up_proj.weight"), _stack),
+            (*prefix, "shared", "w_down"): TensorPlan((m + "shared_experts.down_proj.weight",), lambda w: w),
         }
 
     def block(prefix, hf, kind, moe):

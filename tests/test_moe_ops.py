@@ -251,17 +251,18 @@ def experts_numpy(x, idx, wt, w_gate_up, w_down, limit):
     for t in range(x.shape[0]):
         for j in range(idx.shape[1]):
             e = idx[t, j]
-            h = np.einsum("d,dcf->cf", x[t], w_gate_up[e])    # [2, F]
+            h = np.einsum("d,cfd->cf", x[t], w_gate_up[e])    # [2, F]
             act = h[0] * _sigmoid(h[0])
             up = h[1]
             if limit:
                 act, up = np.minimum(act, limit), np.clip(up, -limit, limit)
-            out[t] += wt[t, j] * ((act * up) @ w_down[e])
+            out[t] += wt[t, j] * (w_down[e] @ (act * up))
     return out
 
 
 def _expert_weights(rng, e, d, f, scale=1.0):
-    return (rng.standard_normal((e, d, 2, f)) * scale * d ** -0.5, rng.standard_normal((e, f, d)) * f ** -0.5)
+    """w_gate_up [E, 2, F, D], w_down [E, D, F] (K-minor, as the model stores them)."""
+    return (rng.standard_normal((e, 2, f, d)) * scale * d ** -0.5, rng.standard_normal((e, d, f)) * f ** -0.5)
 
 
 def _distinct_idx(rng, n, e, k):

@@ -30,7 +30,16 @@ INTERPRET = plgpu.InterpretGPUParams(detect_races=True)  # jax 0.12: races raise
 RACES_RAISE = "on_race" in getattr(plgpu.InterpretGPUParams, "__dataclass_fields__", {})
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (run with JAX_PLATFORMS=cuda)")
+# The tests make K-major weights (w_gate_up [E, D, 2, F], w_down [E, F, D]: k_minor=False) and
+# transpose them for the K-minor kernels and the model's reference (w_gate_up [E, 2, F, D], w_down
+# [E, D, F]); the scales keep their [.., IN blocks, OUT blocks] layout in both.
 GU_VIEW, DOWN_VIEW = Matrix((0, 2), (1,), (3,)), Matrix((0,), (1,), (2,))
+K_MINOR_GU_VIEW, K_MINOR_DOWN_VIEW = Matrix((0, 1), (3,), (2,)), Matrix((0,), (2,), (1,))
+
+
+def _k_minor(vgu, sgu, vd, sd):
+    """K-major test weights -> the K-minor layout (the kernels' k_minor=True, the model's)."""
+    return vgu.transpose(0, 2, 3, 1), sgu, jnp.swapaxes(vd, 1, 2), sd
 LING = dict(E=512, D=2560, F=768, k=8)
 
 
@@ -55,17 +64,19 @@ def _weights(E, D, F, seed=0, kind="fp8"):
 
 
 def _fp8(values, scale, view, dtype=BF16):
-    logical = ("experts", "embed", None, "mlp") if values.ndim == 4 else ("experts", "mlp", "embed")
+    logical = ("experts", None, None, None) if values.ndim == 4 else ("experts", None, None)
     return Fp8Weight(values, scale, view=view, block=(128, 128), dtype=dtype, logical=logical)
 
 
 def _reference(x, idx, w, vgu, sgu, vd, sd, limit=None, dtype=BF16):
-    """experts_gather on the same fp8 (or bf16: sgu None) weights, computing in `dtype` (bf16:
-    the model's path)."""
+    """experts_gather on the same fp8 (or bf16: sgu None) weights, given in the kernels' K-major
+    test layout and transposed to the model's K-minor one, computing in `dtype` (bf16: the
+    model's path)."""
+    vgu, _, vd, _ = _k_minor(vgu, None, vd, None)
     if sgu is None:
         gu, d = vgu.astype(dtype), vd.astype(dtype)
     else:
-        gu, d = _fp8(vgu, sgu, GU_VIEW, dtype), _fp8(vd, sd, DOWN_VIEW, dtype)
+        gu, d = _fp8(vgu, sgu, K_MINOR_GU_VIEW, dtype), _fp8(vd, sd, K_MINOR_DOWN_VIEW, dtype)
     return experts_gather(x.astype(dtype), idx, w, gu, d, limit).astype(F32)
 
 
@@ -306,25 +317,19 @@ def test_interpret_async_schedule_matches(M, D, F, mode, split_d, split_f, limit
     _check(out, moe_experts_pallas(x, idx, w, *poisoned, limit, **kw), 1e-2)
 
 
-def _k_minor(vgu, sgu, vd, sd):
-    """The test weights with the contraction axis minor (the kernels' k_minor layout; the scales
-    keep their [.., IN blocks, OUT blocks] layout)."""
-    return vgu.transpose(0, 2, 3, 1), sgu, jnp.swapaxes(vd, 1, 2), sd
-
-
-# (M, mode, split_d, split_f, with_shared, kind, schedule): k_minor weights vs the same weights in
-# the default layout (the same arithmetic: equal up to float32 summation order)
+# (M, mode, split_d, split_f, with_shared, kind): k_minor weights vs the same weights in the
+# K-major layout (the same arithmetic: equal up to float32 summation order)
 K_MINOR_CASES = [
-    (1, "independent", 4, 2, True, "fp8", "serial"),
-    (9, "overlap", 1, 1, False, "fp8", "serial"),
-    (3, "independent", 2, 1, True, "bf16", "serial"),
-    (3, "overlap", 1, 2, True, "fp8", "async"),
+    (1, "independent", 4, 2, True, "fp8"),
+    (9, "overlap", 1, 1, False, "fp8"),
+    (3, "independent", 2, 1, True, "bf16"),
+    (3, "overlap", 1, 2, True, "fp8"),
 ]
 
 
-@pytest.mark.parametrize("M,mode,split_d,split_f,with_shared,kind,schedule", K_MINOR_CASES)
+@pytest.mark.parametrize("M,mode,split_d,split_f,with_shared,kind", K_MINOR_CASES)
 @interpret_only
-def test_interpret_k_minor_weights_match(M, mode, split_d, split_f, with_shared, kind, schedule):
+def test_interpret_k_minor_weights_match(M, mode, split_d, split_f, with_shared, kind):
     E, k, D, F = 16, 4, 512, 256
     vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=41 + M, kind=kind)
     routed = tuple(None if a is None else a[:E] for a in (vgu, sgu, vd, sd))
@@ -338,7 +343,7 @@ def test_interpret_k_minor_weights_match(M, mode, split_d, split_f, with_shared,
     read = np.zeros(E, bool)
     read[np.asarray(idx).ravel()] = True
     poisoned = _poison(jnp.asarray(~read), *routed)
-    kw = dict(split_d=split_d, split_f=split_f, fp8_schedule=schedule, interpret=INTERPRET)
+    kw = dict(split_d=split_d, split_f=split_f, interpret=INTERPRET)
     out = moe_experts_pallas(x, idx, w, *_k_minor(*poisoned), 0.02, shared=shared_k, k_minor=True, **kw)
     out = jax.block_until_ready(out)
     _assert_no_race_flagged()
@@ -359,6 +364,8 @@ def test_k_minor_checks():
     with pytest.raises(ValueError, match="shared expert weights"):
         moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, k_minor=True, interpret=INTERPRET,
                            shared=(vgu[0].transpose(2, 0, 1), sgu[0], vd[0], sd[0], None))
+    with pytest.raises(ValueError, match="'async' with k_minor=True gave wrong results"):
+        moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, k_minor=True, fp8_schedule="async", interpret=INTERPRET)
     assert moe_split(9, 2560, 768, k_minor=True) == (4, 1)       # kernel 2: 9 x 40 = 360 programs
 
 
@@ -497,11 +504,9 @@ def test_k_minor_cross_lowers_for_cuda_with_shared_expert(M, kind):
     args = (S((M, D), BF16), S((M, k), jnp.int32), S((M, k), F32), S((E, 2, F, D), dt), sc(E, 2, D // 128, F // 128),
             S((E, D, F), dt), sc(E, F // 128, D // 128))
     sh = (S((2, F, D), dt), sc(2, D // 128, F // 128), S((D, F), dt), sc(F // 128, D // 128))
-    for schedule in ("serial", "async") if fp8 else ("serial",):
-        f = jax.jit(lambda *a: moe_experts_pallas(*a[:7], limit=7.0, shared=(*a[7:], 5.0), k_minor=True,
-                                                  fp8_schedule=schedule))
-        text = f.trace(*args, *sh).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("mosaic_gpu") >= 2, schedule
+    f = jax.jit(lambda *a: moe_experts_pallas(*a[:7], limit=7.0, shared=(*a[7:], 5.0), k_minor=True))
+    text = f.trace(*args, *sh).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2
 
 
 # ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
@@ -556,18 +561,17 @@ def test_gpu_async_schedule_ling_shape(M, mode):
 
 
 @gpu_only
-@pytest.mark.parametrize("kind,schedule", [("fp8", "serial"), ("fp8", "async"), ("bf16", "serial")])
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("M", [1, 9, 16])
-def test_gpu_k_minor_ling_shape(M, kind, schedule):
+def test_gpu_k_minor_ling_shape(M, kind):
     """k_minor weights (register A operands for fp8) at the Ling shape with the shared expert, vs
     the default layout's kernel and the reference."""
     x, idx, w, routed, shared, ref = _ling_with_shared(M, 6, kind)
     vgu, sgu, vd, sd = _k_minor(*(None if a is None else a[None] for a in shared[:4]))
     shared_k = (vgu[0], None if sgu is None else sgu[0], vd[0], None if sd is None else sd[0], 5.0)
-    out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared_k, k_minor=True,
-                                                fp8_schedule=schedule))(x, idx, w, *_k_minor(*routed))
-    base = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared, fp8_schedule=schedule))(
-        x, idx, w, *routed)
+    out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared_k, k_minor=True))(
+        x, idx, w, *_k_minor(*routed))
+    base = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared))(x, idx, w, *routed)
     _check(out, base, 1e-3)
     _check(out, ref, 2e-2)
 
@@ -657,13 +661,13 @@ def test_timing_entry_point_rejects_bad_sweeps(capsys):
 
 @interpret_only
 @pytest.mark.parametrize("weights", ["fp8", "bf16"])
-def test_timing_entry_point_k_minor_cpu_smoke(tmp_path, weights):
-    """--k-minor: the kernel on transposed weights (+ shared expert), checked against gather on the
+def test_timing_entry_point_k_major_cpu_smoke(tmp_path, weights):
+    """--k-major: the kernel on transposed weights (+ shared expert), checked against gather on the
     originals; no gather row is timed."""
     from bench.moe_kernel_timing import main
-    rec = main(["--interpret", "--k-minor", "--shared", "--weights", weights, "--M", "3", "--E", "8", "--D", "256",
+    rec = main(["--interpret", "--k-major", "--shared", "--weights", weights, "--M", "3", "--E", "8", "--D", "256",
                 "--F", "128", "--k", "2", "--iters", "1", "--warmup", "1", "--no-xla-defaults",
                 "--out-dir", str(tmp_path)])
     (r,) = rec["results"]
-    assert r["k_minor"] and "gather_us" not in r and "kernel_error" not in r, r
+    assert not r["k_minor"] and "gather_us" not in r and "kernel_error" not in r, r
     assert r["finite"] and r["max_abs_err"] <= 2e-2 * r["ref_max"]

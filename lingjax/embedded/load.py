@@ -34,7 +34,9 @@ DEFAULT_DIR = Path(__file__).resolve().parent / "weights"
 TARGET_FILE, DRAFT_FILE = "target.safetensors", "draft.safetensors"
 TARGET_CONFIG, DRAFT_CONFIG = "target_config.json", "draft_config.json"
 TOKENIZER_FILE, TRAIN_LOG = "tokenizer.json", "train_log.json"
-FORMAT = "lingjax-embedded-v1"
+# v2: MLP / expert weights in the published K-minor orientation (lingjax/param_layout.py); v1 files
+# had them [in, out] and are refused (the shapes alone cannot tell when F == D).
+FORMAT = "lingjax-embedded-v2"
 
 
 class EmbeddedModelMissing(FileNotFoundError):
@@ -107,6 +109,9 @@ def save_embedded(directory: str | Path, target: LingModel, draft: DSparkDraft |
 
 def _read(path: Path) -> dict[str, np.ndarray]:
     f = SafetensorsFile(path)
+    if f.metadata.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {f.metadata.get('format')!r} is not {FORMAT!r} (weights written by "
+                         "another lingjax version); retrain with `python -m lingjax.embedded.train --out DIR`")
     return {k: f.get(k) for k in f.keys()}
 
 

@@ -12,13 +12,15 @@
            over devices: lingjax.loader refuses it with a mesh, and a trace under
            ``kernels.kernel_mesh`` with more than one device raises.
 
-The projections (a class attribute ``DENSE_WEIGHTS`` of each layer: weight name, number of
-leading axes contracted with the input):
+The projections (a class attribute ``DENSE_WEIGHTS`` of each layer: weight name, number of axes
+contracted with the input: the leading ones (k_axes > 0, a K-major [K..., N...] weight) or the
+trailing ones (k_axes < 0, a K-minor [N..., K...] weight, the published orientation, which the
+kernel takes with ``k_minor=True``: fp8 tiles as register WGMMA operands)):
 
     KDA         w_in [D, 5, H, K] (one GEMM to 5*H*K), w_out [H, K, D]
     GatedMLA    q_a, q_b, q_proj, kv_a, dense [H, V, D]   (kv_b, used in the absorbed attention
                 einsums and the prefill expansion, stays on XLA)
-    DenseMLP    w_gate_up [D, 2, F] (one GEMM to 2*F), w_down [F, D]  (dense layers and the MoE
+    DenseMLP    w_gate_up [2, F, D] (one GEMM to 2*F), w_down [D, F], K-minor  (dense layers and the MoE
                 shared expert; with moe_kernel='pallas' a shared expert as wide as the routed
                 ones runs inside the expert kernels instead: lingjax/model/mlp.py)
     LingModel   lm_head [D, V] (float32 logits; argmax / sampling stay in XLA)
@@ -31,9 +33,9 @@ stays on XLA by this static rule (:func:`kernel_refusal`), never by a run-time f
   * its dtype: a bfloat16 Param or an Fp8Weight; float32 / float64 Params stay on XLA (the kernel
     would round them to bf16): quantise the model or load it in bfloat16;
   * its [K, N] matrix (K = the product of the contracted axes): K % 128 == 0 and N % 64 == 0;
-  * an Fp8Weight also needs 128 x 128 blocks and a matrix view whose [K, N] matrix is a plain
-    reshape of the stored values (no transposition: the in axes are the contracted ones, in
-    order; the stack axes, then the out axes, are the output axes, in order) and, when it has
+  * an Fp8Weight also needs 128 x 128 blocks and a matrix view whose [K, N] (or [N, K]) matrix is
+    a plain reshape of the stored values (no transposition: the in axes are the contracted ones,
+    in order; the stack axes, then the out axes, are the output axes, in order) and, when it has
     stack axes, out blocks that do not straddle two stacked matrices (prod(out) % 128 == 0).
     The scales [*stack, K/128, OUT/128] then become the kernel's [K/128, ceil(N/128)] grid by
     moving the K-block axis first (a few hundred floats per call).
@@ -78,22 +80,31 @@ def compute_dtype(weight) -> jnp.dtype:
     return jnp.dtype(weight.get_value().dtype if isinstance(weight, nnx.Variable) else weight.dtype)
 
 
+def _axes(ndim: int, k_axes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(contracted axes, output axes) of a weight of rank `ndim` (k_axes: module docstring)."""
+    if k_axes > 0:
+        return tuple(range(k_axes)), tuple(range(k_axes, ndim))
+    return tuple(range(ndim + k_axes, ndim)), tuple(range(ndim + k_axes))
+
+
 def _matrix_shape(shape, k_axes: int) -> tuple[int, int]:
-    return math.prod(shape[:k_axes]), math.prod(shape[k_axes:])
+    """(K, N) of a weight `shape` whose `k_axes` axes are contracted."""
+    k_ax, n_ax = _axes(len(shape), k_axes)
+    return math.prod(shape[a] for a in k_ax), math.prod(shape[a] for a in n_ax)
 
 
 def kernel_refusal(weight, k_axes: int) -> str | None:
-    """None if the skinny GEMM can stream `weight` (a Param or Fp8Weight whose first `k_axes` axes
-    are contracted with the input), else why it stays on XLA (module docstring). Reads only
-    shapes and dtypes: works on abstract models (nnx.eval_shape)."""
+    """None if the skinny GEMM can stream `weight` (a Param or Fp8Weight whose leading `k_axes`
+    axes, or trailing -k_axes axes, are contracted with the input), else why it stays on XLA
+    (module docstring). Reads only shapes and dtypes: works on abstract models (nnx.eval_shape)."""
     shape = tuple(weight.shape)
     K, N = _matrix_shape(shape, k_axes)
     if isinstance(weight, Fp8Weight):
-        view, ndim = weight.view, len(shape)
+        view = weight.view
+        k_ax, n_ax = _axes(len(shape), k_axes)
         if weight.block != (BLOCK, BLOCK):
             return f"fp8 blocks {weight.block}, not {BLOCK} x {BLOCK}"
-        if (tuple(view.in_) != tuple(range(k_axes))
-                or tuple(view.stack) + tuple(view.out) != tuple(range(k_axes, ndim))):
+        if tuple(view.in_) != k_ax or tuple(view.stack) + tuple(view.out) != n_ax:
             return f"fp8 matrix view {view} is not a plain reshape to [K, N] with {k_axes} contracted axes"
         n_out = math.prod(shape[a] for a in view.out)
         if view.stack and n_out % BLOCK:
@@ -110,38 +121,41 @@ def kernel_refusal(weight, k_axes: int) -> str | None:
 
 
 def kernel_operands(weight, k_axes: int):
-    """(w [K, N] bfloat16 or float8_e4m3fn, scale [K/128, ceil(N/128)] float32 or None) for
-    skinny_gemm_pallas: a reshape of the stored values, the fp8 scales' K-block axis moved first.
-    Raises ValueError for a weight :func:`kernel_refusal` refuses."""
+    """(w [K, N] (k_axes > 0) or [N, K] (k_axes < 0) bfloat16 or float8_e4m3fn, scale [K/128,
+    ceil(N/128)] float32 or None) for skinny_gemm_pallas: a reshape of the stored values, the fp8
+    scales' K-block axis moved first. Raises ValueError for a weight :func:`kernel_refusal` refuses."""
     why = kernel_refusal(weight, k_axes)
     if why is not None:
         raise ValueError(f"dense_kernel='pallas': a weight {tuple(weight.shape)} recorded for the kernel no "
                          f"longer fits it ({why}); call lingjax.model.dense.set_dense_kernel again after "
                          "changing the weights (e.g. after lingjax.quant.quantize_model)")
     K, N = _matrix_shape(tuple(weight.shape), k_axes)
+    matrix = (K, N) if k_axes > 0 else (N, K)
     if isinstance(weight, Fp8Weight):
         scale = weight.scale_inv.get_value()                  # [*stack, K/128, OUT/128]
         n_stack = len(weight.view.stack)
         scale = jnp.moveaxis(scale, n_stack, 0).reshape(K // BLOCK, -1)
-        return weight.values.get_value().reshape(K, N), scale
-    return weight.get_value().reshape(K, N), None
+        return weight.values.get_value().reshape(matrix), scale
+    return weight.get_value().reshape(matrix), None
 
 
 def dense_matmul(x, weight, *, k_axes: int = 1, out_dtype=None):
-    """x [..., *weight.shape[:k_axes]] @ weight -> [..., *weight.shape[k_axes:]] on the skinny GEMM
-    (at most MAX_TOKENS rows). out_dtype: default what the XLA path gives (x's dtype promoted with
-    the weight's compute dtype). Compiled on a GPU, interpreted inside kernels.pallas_interpret()."""
+    """x [..., *contracted dims] @ weight -> [..., *output dims] on the skinny GEMM (at most
+    MAX_TOKENS rows); k_axes > 0: weight [K..., N...], k_axes < 0: weight [N..., K...] (module
+    docstring). out_dtype: default what the XLA path gives (x's dtype promoted with the weight's
+    compute dtype). Compiled on a GPU, interpreted inside kernels.pallas_interpret()."""
     w, scale = kernel_operands(weight, k_axes)
     if kernels.current_mesh() is not None:
         raise ValueError("dense_kernel='pallas' is not split over devices (no shard_map over the projections); "
                          "use dense_kernel='xla' on a device mesh")
     interpret = kernels.interpret_arg("dense_kernel")
-    K, N = w.shape
-    lead = x.shape[:x.ndim - k_axes]
+    k_ax, n_ax = _axes(len(weight.shape), k_axes)
+    K = math.prod(weight.shape[a] for a in k_ax)
+    lead = x.shape[:x.ndim - len(k_ax)]
     out_dtype = out_dtype or jnp.promote_types(x.dtype, compute_dtype(weight))
     y = kernels.shared_call(skinny_gemm.skinny_gemm_pallas, x.reshape(-1, K), w, scale, interpret=interpret,
-                            out_dtype=jnp.dtype(out_dtype))
-    return y.reshape(*lead, *weight.shape[k_axes:])
+                            out_dtype=jnp.dtype(out_dtype), k_minor=k_axes < 0)
+    return y.reshape(*lead, *(weight.shape[a] for a in n_ax))
 
 
 def uses_kernel(module, name: str, tokens: int) -> bool:

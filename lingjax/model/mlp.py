@@ -39,7 +39,8 @@ from pallas_kernels import moe_experts
 # Token counts at or above this use the sorted-block expert path (prefill); below it, gather.
 MOE_GATHER_MAX_TOKENS = 64
 MOE_KERNELS = ("xla", "pallas")
-_GU_VIEW, _DOWN_VIEW = Matrix((0, 2), (1,), (3,)), Matrix((0,), (1,), (2,))   # kernel's fp8 layouts
+# The kernels' fp8 layouts (K-minor, as published: lingjax/param_layout.py)
+_GU_VIEW, _DOWN_VIEW = Matrix((0, 1), (3,), (2,)), Matrix((0,), (2,), (1,))     # [E, 2, F, D], [E, D, F]
 
 
 def check_moe_kernel(kernel: str, cfg: LingConfig | None = None, dtype=None) -> str:
@@ -91,11 +92,11 @@ def set_moe_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
     return model
 
 
-_SHARED_GU_VIEW, _SHARED_DOWN_VIEW = Matrix((1,), (0,), (2,)), Matrix((), (0,), (1,))
+_SHARED_GU_VIEW, _SHARED_DOWN_VIEW = Matrix((0,), (2,), (1,)), Matrix((), (1,), (0,))   # [2, F, D], [D, F]
 
 
 def shared_kernel_weights(shared: "DenseMLP", w_gate_up, intermediate: int):
-    """(w_gate_up [D, 2, F], gu_scale | None, w_down [F, D], down_scale | None) of the shared
+    """(w_gate_up [2, F, D], gu_scale | None, w_down [D, F], down_scale | None) of the shared
     expert for the expert kernel's extra slot, or None when it cannot join it: its intermediate
     size differs from the routed experts' F, or its weights are not of the routed experts' kind
     (both 128 x 128 block-fp8 in the published layout, or both bfloat16). A static rule: such a
@@ -104,13 +105,13 @@ def shared_kernel_weights(shared: "DenseMLP", w_gate_up, intermediate: int):
     if isinstance(w_gate_up, Fp8Weight):
         ok = all(isinstance(a, Fp8Weight) and a.block == (moe_experts.BLOCK,) * 2 and a.view == v
                  for a, v in ((gu, _SHARED_GU_VIEW), (d, _SHARED_DOWN_VIEW)))
-        if not ok or gu.values.get_value().shape[-1] != intermediate:
+        if not ok or gu.values.get_value().shape[-2] != intermediate:
             return None
         return (gu.values.get_value(), gu.scale_inv.get_value(), d.values.get_value(), d.scale_inv.get_value())
     if isinstance(gu, Fp8Weight) or isinstance(d, Fp8Weight):
         return None
     gu, d = gu.get_value(), d.get_value()
-    if gu.dtype != jnp.bfloat16 or d.dtype != jnp.bfloat16 or gu.shape[-1] != intermediate:
+    if gu.dtype != jnp.bfloat16 or d.dtype != jnp.bfloat16 or gu.shape[-2] != intermediate:
         return None
     return gu, None, d, None
 
@@ -126,7 +127,7 @@ def _pallas_experts(xf, idx, w, w_gate_up, w_down, limit, shared=None):
     gu, gu_scale, d, d_scale = expert_kernel_weights(w_gate_up, w_down)
     if shared is None:
         return kernels.shared_call(moe_experts.moe_experts_pallas, xf, idx, w, gu, gu_scale, d, d_scale,
-                                   limit=limit, interpret=interpret)
+                                   limit=limit, k_minor=True, interpret=interpret)
     *sh, sh_limit = shared
     return kernels.shared_call(_experts_and_shared, xf, idx, w, gu, gu_scale, d, d_scale, *sh,
                                limit=limit, shared_limit=sh_limit, interpret=interpret)
@@ -138,34 +139,36 @@ def _experts_and_shared(x, idx, w, gu, gu_scale, d, d_scale, sh_gu, sh_gu_scale,
     keyword settings are static)."""
     return moe_experts.moe_experts_pallas(x, idx, w, gu, gu_scale, d, d_scale, limit,
                                           shared=(sh_gu, sh_gu_scale, sh_d, sh_d_scale, shared_limit),
-                                          interpret=interpret)
+                                          k_minor=True, interpret=interpret)
 
 
 class DenseMLP(nnx.Module):
-    """down(silu(gate(x)) * up(x)); gate and up fused into w_gate_up [D, 2, F]. Both projections
-    follow `dense_kernel` (lingjax/model/dense.py) for calls of <= 16 tokens."""
-    DENSE_WEIGHTS = (("w_gate_up", 1), ("w_down", 1))
+    """down(silu(gate(x)) * up(x)); gate and up fused into w_gate_up [2, F, D], w_down [D, F] (the
+    published K-minor orientation). Both projections follow `dense_kernel`
+    (lingjax/model/dense.py) for calls of <= 16 tokens."""
+    DENSE_WEIGHTS = (("w_gate_up", -1), ("w_down", -1))       # the last axis is contracted
 
     def __init__(self, hidden: int, inter: int, *, dtype, rngs, swiglu_limit: float | None = None):
         self.swiglu_limit = swiglu_limit
-        self.w_gate_up = param(rngs, (hidden, 2, inter), ("embed", None, "mlp"), dtype, std=hidden ** -0.5)
-        self.w_down = param(rngs, (inter, hidden), ("mlp", "embed"), dtype, std=inter ** -0.5)
+        self.w_gate_up = param(rngs, (2, inter, hidden), (None, "mlp", "embed"), dtype, std=hidden ** -0.5)
+        self.w_down = param(rngs, (hidden, inter), ("embed", "mlp"), dtype, std=inter ** -0.5)
 
     def __call__(self, x):
         tokens = math.prod(x.shape[:-1])
         if dense.uses_kernel(self, "w_gate_up", tokens):
-            h = dense.dense_matmul(x.astype(self.w_gate_up.dtype), self.w_gate_up)
+            h = dense.dense_matmul(x.astype(self.w_gate_up.dtype), self.w_gate_up, k_axes=-1)
         else:
             w = self.w_gate_up[...]
-            h = jnp.tensordot(x.astype(w.dtype), w, axes=1)
+            h = jnp.einsum("...d,cfd->...cf", x.astype(w.dtype), w)
         a = moe_ops.swiglu(h[..., 0, :], h[..., 1, :], self.swiglu_limit)
         if dense.uses_kernel(self, "w_down", tokens):
-            return dense.dense_matmul(a, self.w_down)
-        return jnp.tensordot(a, self.w_down[...], axes=1)
+            return dense.dense_matmul(a, self.w_down, k_axes=-1)
+        return jnp.einsum("...f,df->...d", a, self.w_down[...])
 
 
 class MoE(nnx.Module):
-    """Sigmoid group-limited router + routed experts (stacked [E, ...]) + one unscaled shared expert.
+    """Sigmoid group-limited router + routed experts (w_gate_up [E, 2, F, D], w_down [E, D, F], the
+    published K-minor orientation) + one unscaled shared expert.
     `approx` (lingjax/approx.py): expert_keep and bf16_router_head change the routing; off by default.
     `moe_kernel`: 'xla' | 'pallas' for the routed experts of calls of <= 16 tokens (module docstring)."""
 
@@ -178,8 +181,8 @@ class MoE(nnx.Module):
         self.limit = cfg.swiglu_limit(layer, shared=False)
         self.router = param(rngs, (d, e), ("embed", None), dtype, std=d ** -0.5)
         self.expert_bias = param(None, (e,), (None,), jnp.promote_types(dtype, jnp.float32), init="zeros")
-        self.w_gate_up = param(rngs, (e, d, 2, f), ("experts", "embed", None, "mlp"), dtype, std=d ** -0.5)
-        self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), dtype, std=f ** -0.5)
+        self.w_gate_up = param(rngs, (e, 2, f, d), ("experts", None, "mlp", "embed"), dtype, std=d ** -0.5)
+        self.w_down = param(rngs, (e, d, f), ("experts", "embed", "mlp"), dtype, std=f ** -0.5)
         self.shared = DenseMLP(d, cfg.shared_intermediate_size, dtype=dtype, rngs=rngs,
                                swiglu_limit=cfg.swiglu_limit(layer, shared=True))
 

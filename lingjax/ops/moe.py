@@ -147,14 +147,14 @@ def swiglu(gate, up, limit: float | None):
 
 
 def experts_gather(x, idx, weight, w_gate_up, w_down, limit=None):
-    """x [N, D], idx/weight [N, k], w_gate_up [E, D, 2, F], w_down [E, F, D] -> [N, D].
+    """x [N, D], idx/weight [N, k], w_gate_up [E, 2, F, D], w_down [E, D, F] -> [N, D].
 
     Reads only the chosen experts (per token). For small N (decode / verify).
     """
-    gu = take_rows(_param_like(w_gate_up), idx)                 # [N, k, D, 2, F]
-    h = jnp.einsum("nd,nkdcf->nkcf", x.astype(gu.dtype), gu)
+    gu = take_rows(_param_like(w_gate_up), idx)                 # [N, k, 2, F, D]
+    h = jnp.einsum("nd,nkcfd->nkcf", x.astype(gu.dtype), gu)
     act = swiglu(h[:, :, 0], h[:, :, 1], limit)
-    y = jnp.einsum("nkf,nkfd->nkd", act, take_rows(_param_like(w_down), idx))
+    y = jnp.einsum("nkf,nkdf->nkd", act, take_rows(_param_like(w_down), idx))
     acc = acc_dtype(x.dtype)
     return jnp.einsum("nkd,nk->nd", y.astype(acc), weight.astype(acc)).astype(x.dtype)
 
@@ -193,10 +193,10 @@ def experts_sorted_blocks(x, idx, weight, w_gate_up, w_down, limit=None, block: 
             ex = jnp.minimum(block_expert[b], e - 1)
             toks = jax.lax.dynamic_slice_in_dim(slot_tok, b * block, block)
             ws = jax.lax.dynamic_slice_in_dim(slot_w, b * block, block)
-            gu = take_rows(w_gate_up, ex)                            # [D, 2, F]
+            gu = take_rows(w_gate_up, ex)                            # [2, F, D]
             xb = x[toks].astype(gu.dtype)
-            h = jnp.einsum("td,dcf->tcf", xb, gu)
-            y = jnp.dot(swiglu(h[:, 0], h[:, 1], limit), take_rows(w_down, ex))
+            h = jnp.einsum("td,cfd->tcf", xb, gu)
+            y = jnp.einsum("tf,df->td", swiglu(h[:, 0], h[:, 1], limit), take_rows(w_down, ex))
             return out.at[toks].add(y.astype(acc) * ws[:, None].astype(acc))
         return jax.lax.cond(b < used_blocks, run, lambda o: o, out), None
 
@@ -210,6 +210,6 @@ def experts_dense(x, idx, weight, w_gate_up, w_down, limit=None):
     e = w_gate_up.shape[0]
     acc = acc_dtype(x.dtype)
     combine = jnp.zeros((x.shape[0], e), acc).at[jnp.arange(x.shape[0])[:, None], idx].add(weight.astype(acc))
-    h = jnp.einsum("nd,edcf->necf", x.astype(w_gate_up.dtype), w_gate_up)
-    y = jnp.einsum("nef,efd->ned", swiglu(h[:, :, 0], h[:, :, 1], limit), w_down)
+    h = jnp.einsum("nd,ecfd->necf", x.astype(w_gate_up.dtype), w_gate_up)
+    y = jnp.einsum("nef,edf->ned", swiglu(h[:, :, 0], h[:, :, 1], limit), w_down)
     return jnp.einsum("ned,ne->nd", y.astype(acc), combine).astype(x.dtype)
