@@ -15,7 +15,7 @@ with the model's logical axis names (`lingjax.model.common`):
    to the next smaller divisor of the extent step 1 left (a divisor of a slab stays aligned).
 
 Chunk extents always divide the array's dimensions (no ragged edge chunks). Flash at the default
-64 MiB, bf16: KDA w_in [2560, 5, 32, 128] -> [2560, 5, 4, 128] (12.5 MiB, 8 chunks); routed
+64 MiB, bf16: KDA w_in [5, 32, 128, 2560] -> [5, 4, 128, 2560] (12.5 MiB, 8 chunks); routed
 experts w_gate_up [512, 2, 768, 2560] -> [64, 2, 96, 2560] (60 MiB, 64 chunks); embed
 [157184, 2560] -> [9824, 2560] (48 MiB, 16 chunks); A_log [32] and w_beta [2560, 32] stay whole.
 

@@ -11,7 +11,7 @@ Layout of a converted checkpoint directory (format `lingjax-converted`, version 
                       keyed by the dotted parameter path, e.g. `layers.3.attn.kv_b`
 
 Arrays are stored in the model's own layout (`lingjax.weights.plan_for`: fused, stacked; [in, out]
-for the attention projections, the published [out, in] for MLP and expert weights; version 1 had
+for the MLA projections, the published [out, in] for KDA, MLP and expert weights; version 1 had
 every matrix [in, out] and is refused: reconvert)
 and chunked along the axes the partition rules shard (`checkpoints_convert/chunks.py`: a 1-, 2-, 4-
 or 8-way shard of any array over 1 MiB per shard starts and ends on chunk boundaries), so a restore

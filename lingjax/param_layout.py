@@ -3,8 +3,9 @@
 A `Matrix` parameter is made of published [out, in] weights, stacked along `stack` axes (fused
 q/k/v/f/g, gate/up, experts) and with in/out split over several axes (heads); its in axes come
 before its out axes ([in, out], "K-major": the attention projections, lm_head, router) or after them
-(the published [out, in] orientation, "K-minor": the MLP and expert weights, whose weight-streaming
-kernels take the fp8 tiles as register operands, pallas_kernels/moe_experts.py). The same description is the fp8 *matrix view* (see lingjax/checkpoint.py): it says how
+(the published [out, in] orientation, "K-minor": the KDA projections, the MLP and expert weights,
+whose weight-streaming kernels take the fp8 tiles as register operands,
+pallas_kernels/moe_experts.py, pallas_kernels/skinny_gemm.py). The same description is the fp8 *matrix view* (see lingjax/checkpoint.py): it says how
 the published block scales line up with the stored array, and which source shapes to expect.
 `Vector` parameters are the source itself (or its flattening); `Conv` is the KDA conv stack.
 """
@@ -83,8 +84,9 @@ _LING = {
     "lm_head": _M_IO, "router": _M_IO, "w_beta": _M_IO, "kv_a": _M_IO, "g_proj": _M_IO, "q_a": _M_IO,
     "eh_proj": _M_IO,
     "kv_b": _M_I_OO, "q_proj": _M_I_OO, "q_b": _M_I_OO,
-    "dense": _M_II_O, "w_out": _M_II_O,
-    "w_in": Matrix((1,), (0,), (2, 3)),
+    "dense": _M_II_O,
+    # KDA: K-minor, as published: w_in [5, H, K, D] (q/k/v/f/g fused), w_out [D, H, K]
+    "w_in": Matrix((0,), (3,), (1, 2)), "w_out": Matrix((), (1, 2), (0,)),
     # MLP / MoE: K-minor, as published: w_gate_up [2, F, D] / [E, 2, F, D], w_down [D, F] / [E, D, F]
     ("w_gate_up", 3): Matrix((0,), (2,), (1,)), ("w_gate_up", 4): Matrix((0, 1), (3,), (2,)),
     ("w_down", 2): Matrix((), (1,), (0,)), ("w_down", 3): Matrix((0,), (2,), (1,)),

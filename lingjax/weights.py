@@ -1,8 +1,8 @@
 """Hugging Face tensor names -> lingjax parameters: one mapping table, used by the direct loader and
 by the converter. Each parameter path of `LingModel` gets the HF names it is built from and a
 function that assembles them (transpose [out, in] -> [in, out] for the K-major attention
-projections, fuse q/k/v/f/g, stack gate/up and experts in the published K-minor orientation:
-lingjax/param_layout.py).
+projections, fuse KDA's q/k/v/f/g and the MLPs' gate/up, stack experts; the KDA, MLP and expert
+weights keep the published K-minor orientation: lingjax/param_layout.py).
 """
 from __future__ import annotations
 
@@ -71,14 +71,14 @@ def plan_for(cfg: LingConfig, with_mtp: bool) -> dict[Path_, TensorPlan]:
         a = hf + "attention."
         return {
             (*prefix, "w_in"): TensorPlan(tuple(a + f"{n}_proj.weight" for n in "qkvfg"),
-                                          lambda *ws: _stack_t(*ws).reshape(d, 5, h, k)),
+                                          lambda *ws: _stack(*ws).reshape(5, h, k, d)),
             (*prefix, "w_beta"): TensorPlan((a + "b_proj.weight",), _t),
             (*prefix, "conv"): TensorPlan(tuple(a + f"{n}_conv1d.weight" for n in "qkv"),
                                           lambda *ws: np.stack([w[:, 0, :].T for w in ws], axis=1).reshape(ks, 3, h, k)),
             (*prefix, "A_log"): TensorPlan((a + "A_log",), lambda w: w),
             (*prefix, "dt_bias"): TensorPlan((a + "dt_bias",), lambda w: w.reshape(h, k)),
             (*prefix, "o_norm"): TensorPlan((a + "o_norm.weight",), lambda w: w),
-            (*prefix, "w_out"): TensorPlan((a + "o_proj.weight",), lambda w: _t(w).reshape(h, k, d)),
+            (*prefix, "w_out"): TensorPlan((a + "o_proj.weight",), lambda w: w.reshape(d, h, k)),
         }
 
     def mlp(prefix, hf, moe: bool):

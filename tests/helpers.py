@@ -85,11 +85,15 @@ def tiny_config(**overrides) -> LingConfig:
     return base.replace(**overrides)
 
 
-def random_model(cfg: LingConfig, dtype=jnp.float64, seed: int = 0, with_mtp=None) -> LingModel:
+def random_model(cfg: LingConfig, dtype=jnp.float64, seed: int = 0, with_mtp=None,
+                 bias_std: float = 0.05) -> LingModel:
+    """A LingModel with random weights. bias_std: spread of the routers' expert_bias (a wide one,
+    e.g. 1.0, spreads the biased scores, so no token's top-k sits on a near-tie that a kernel's
+    different rounding would flip; the kernel-switch tests use it)."""
     model = LingModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed), with_mtp=with_mtp)
     # give expert_bias / A_log / dt_bias non-trivial values so routing and gates are exercised
     rng = np.random.default_rng(seed)
     for path, var in nnx.to_flat_state(nnx.state(model)):
         if path[-1] == "expert_bias":
-            var.set_value(jnp.asarray(rng.normal(0, 0.05, var.shape), var.dtype))
+            var.set_value(jnp.asarray(rng.normal(0, bias_std, var.shape), var.dtype))
     return model

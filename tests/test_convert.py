@@ -269,7 +269,7 @@ def test_quantise_to_fp8(converted):
     assert m["params"]["embed"]["dtype"] == "bfloat16" and m["params"]["lm_head"]["dtype"] == "bfloat16"
     w = _tensors(LING_TINY)["model.layers.0.attention.o_proj.weight"]
     q, s = _quantize_reference(w, 16)
-    want = dequantize_block_fp8(q, s, (16, 16)).T.reshape(2, 64, 128)
+    want = dequantize_block_fp8(q, s, (16, 16)).reshape(128, 2, 64)       # w_out [D, H, K]: as published
     got = np.asarray(load_converted(out, jnp.float32).layers[0].attn.w_out.get_value())
     assert got.tobytes() == want.tobytes()
 
@@ -291,8 +291,8 @@ def test_draft_with_model_prefix(work, capsys):
 # ---- chunk shapes -----------------------------------------------------------------------------------
 MIB = 1 << 20
 FLASH_ARRAYS = [  # Ling-3.0-flash parameters: shape, logical axes
-    ((2560, 5, 32, 128), ("embed", None, "heads", "head_dim")),      # KDA w_in
-    ((32, 128, 2560), ("heads", "head_dim", "embed")),               # KDA w_out
+    ((5, 32, 128, 2560), (None, "heads", "head_dim", "embed")),      # KDA w_in
+    ((2560, 32, 128), ("embed", "heads", "head_dim")),               # KDA w_out
     ((2560, 32), ("embed", "heads")),                                # w_beta (160 KiB in bf16)
     ((32,), ("heads",)),                                             # A_log
     ((512, 32, 256), (None, "heads", None)),                         # MLA kv_b
@@ -306,13 +306,13 @@ FLASH_ARRAYS = [  # Ling-3.0-flash parameters: shape, logical axes
 
 def test_chunk_shapes_documented_examples():
     from checkpoints_convert.chunks import chunk_shape
-    assert chunk_shape((2560, 5, 32, 128), 2, FLASH_ARRAYS[0][1], 64 * MIB) == (2560, 5, 4, 128)
+    assert chunk_shape((5, 32, 128, 2560), 2, FLASH_ARRAYS[0][1], 64 * MIB) == (5, 4, 128, 2560)
     assert chunk_shape((512, 2, 768, 2560), 2, FLASH_ARRAYS[5][1], 64 * MIB) == (64, 2, 96, 2560)
     assert chunk_shape((157184, 2560), 2, ("vocab", "embed"), 64 * MIB) == (9824, 2560)
     assert chunk_shape((2560, 32), 2, ("embed", "heads"), 64 * MIB) == (2560, 32)    # small: read whole
     assert chunk_shape((32,), 4, ("heads",), 64 * MIB) == (32,)
     assert chunk_shape((512, 32, 256), 2, (None, "heads", None), 64 * MIB) == (512, 4, 256)  # 1 MiB slabs
-    assert chunk_shape((2560, 5, 32, 128), 2, None, 64 * MIB) == (1280, 5, 32, 128)  # size only
+    assert chunk_shape((5, 32, 128, 2560), 2, None, 64 * MIB) == (5, 32, 128, 1280)  # size only
 
 
 @pytest.mark.parametrize("itemsize", [1, 2, 4])
@@ -351,7 +351,7 @@ def test_converted_arrays_have_the_planned_chunks(work):
             n += 1
     assert n == len(manifest["params"])
     w_in = json.loads(next(out.glob("params/*/layers.0.attn.w_in/.zarray")).read_text())
-    assert w_in["shape"] == [128, 5, 2, 64] and w_in["chunks"][2] == 1
+    assert w_in["shape"] == [5, 2, 64, 128] and w_in["chunks"][1] == 1
 
 
 # ---- resume, atomicity, existing output ---------------------------------------------------------------

@@ -296,14 +296,14 @@ def _hf_weights(layer: KDA, H, K, D, ks):
     """Our fused parameters -> HF-layout matrices (the inverse of lingjax.weights' mapping)."""
     w_in = np.asarray(layer.w_in[...])
     conv = np.asarray(layer.conv[...])                                      # [ks, 3, H, K]
-    w = {f"{n}_proj": w_in[:, i].reshape(D, H * K).T for i, n in enumerate("qkvfg")}
+    w = {f"{n}_proj": w_in[i].reshape(H * K, D) for i, n in enumerate("qkvfg")}
     for i, n in enumerate("qkv"):
         w[f"{n}_conv1d"] = conv[:, i].reshape(ks, H * K).T[:, None, :]     # [C, 1, ks]
     w["b_proj"] = np.asarray(layer.w_beta[...]).T
     w["A_log"] = np.asarray(layer.A_log[...])
     w["dt_bias"] = np.asarray(layer.dt_bias[...]).reshape(-1)
     w["o_norm"] = np.asarray(layer.o_norm[...])
-    w["o_proj"] = np.asarray(layer.w_out[...]).reshape(H * K, D).T
+    w["o_proj"] = np.asarray(layer.w_out[...]).reshape(D, H * K)
     return w
 
 

@@ -40,8 +40,15 @@ MAX_LEN = 64
 # Random weights put some routers on near-ties: with seed 0 the XLA model's own layer 4 turns a 0.3%
 # input perturbation into a 16% output change (session 7), so any kernel that rounds differently
 # from XLA (the fp8 expert kernel multiplies the exact dequantised weight, XLA a bf16-rounded one)
-# fails a whole-model tolerance there; seeds 2 and 3 have no such tie (decode / verify 3-5e-3).
-SEED = 2
+# fails a whole-model tolerance there. Session 9's K-minor layouts changed the random draws and seed 2
+# flipped a verify token's expert on the H200 (0.042); with the default bias spread no seed of 0-23
+# kept the router margin (the gap at the top-k and group boundaries of the biased scores, over the
+# verify tokens of all three kinds) above 2e-3, and 1.4e-3 still flipped. A wide expert_bias
+# (std 1.0) spreads the scores: seed 3 then has a margin of 1.9e-2. The greedy engine test needs the
+# margins of its generated tokens too, and the gap between the two largest logits: ENGINE_SEED has a
+# router margin >= 6e-3 and a top-2 logit gap >= 0.03 logit std over 7 greedy tokens (fp8 kinds;
+# seed 3: 1.5e-4 and 0.004).
+SEED, ENGINE_SEED, BIAS_STD = 3, 2, 1.0
 TOL = 2e-2       # float32 model: the kernel rounds x and the SwiGLU output to bf16 (observed ~5e-3)
 
 
@@ -50,14 +57,14 @@ def _moes(model):
 
 
 @functools.lru_cache(maxsize=None)
-def models(kind: str):
+def models(kind: str, seed: int = SEED):
     """(xla, pallas) twins with the same weights. kind: 'fp8' (float32 model, block-fp8 weights by
     lingjax.quant.quantize_model), 'bf16_experts' (float32 model whose routed expert weights are
     bfloat16), 'bf16' (bfloat16 model); a '_shared' suffix: CFG_SHARED (the shared expert runs
     in the expert kernels) instead of CFG (its shared expert, F = 32, runs on its own)."""
     cfg = CFG_SHARED if kind.endswith("_shared") else CFG
     kind = kind.removesuffix("_shared")
-    xla = random_model(cfg, dtype=BF16 if kind == "bf16" else F32, seed=SEED, with_mtp=True)
+    xla = random_model(cfg, dtype=BF16 if kind == "bf16" else F32, seed=seed, with_mtp=True, bias_std=BIAS_STD)
     if kind == "fp8":
         quantize_model(xla)
     elif kind == "bf16_experts":
@@ -168,7 +175,7 @@ def test_engine_greedy_mtp_tokens_match(kind):
     verify with T = 3, commit) on both expert kernels, fp8 weights, greedy."""
     prompt = [int(t) for t in _ids()[0, :PROMPT]]
     toks = []
-    for model in models(kind):
+    for model in models(kind, ENGINE_SEED):
         with kernel_mode():
             toks.append(Engine(model, spec=SpecConfig("mtp", 2)).generate(prompt, max_tokens=6).token_ids)
     assert toks[0] == toks[1] and len(toks[0]) == 6

@@ -65,7 +65,7 @@ def test_param_shardings_single_device():
     model = golden_model("float32")
     mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
     sh = sharding.param_shardings(model, mesh)
-    assert sh[("layers", 0, "attn", "w_in")].spec == P(None, None, "tp", None)
+    assert sh[("layers", 0, "attn", "w_in")].spec == P(None, "tp", None, None)
     assert sh[("layers", 3, "mlp", "w_gate_up")].spec == P(None, None, ("ep", "tp"), None)
     assert sh[("lm_head",)].spec == P(None, "tp")
     assert sh[("layers", 3, "mlp", "router")].spec == P(None, None)
@@ -100,7 +100,7 @@ def test_golden_mesh_matches_single_device(multi, mesh):
     assert r["none_equal"], (r["none"], multi["golden"]["ref"]["none"])
     assert r["bad"] == []  # every param's shards have the shape its sharding implies
     p = r["params"]
-    assert p["layers.0.attn.w_in"]["shard"] == [128, 5, 2 // tp, 64]
+    assert p["layers.0.attn.w_in"]["shard"] == [5, 2 // tp, 64, 128]
     assert p["lm_head"]["shard"] == [128, 512 // tp]
     assert p["layers.7.mlp.w_gate_up"]["shard"] == [16, 2, 32 // (tp * ep), 128]
     assert p["layers.3.attn.kv_b"]["shard"] == [32, 2 // tp, 64]
@@ -113,7 +113,7 @@ def test_random_4head_tp4(multi):
     assert r["rel"] <= 1e-5 and r["argmax_equal"]
     assert r["dspark_equal"] and r["none_equal"]
     assert r["bad"] == []
-    assert r["params"]["layers.0.attn.w_in"]["shard"] == [64, 5, 1, 16]
+    assert r["params"]["layers.0.attn.w_in"]["shard"] == [5, 1, 16, 64]
     assert r["params"]["lm_head"]["shard"] == [64, 16]
 
 

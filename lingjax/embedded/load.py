@@ -34,8 +34,9 @@ DEFAULT_DIR = Path(__file__).resolve().parent / "weights"
 TARGET_FILE, DRAFT_FILE = "target.safetensors", "draft.safetensors"
 TARGET_CONFIG, DRAFT_CONFIG = "target_config.json", "draft_config.json"
 TOKENIZER_FILE, TRAIN_LOG = "tokenizer.json", "train_log.json"
-# v2: MLP / expert weights in the published K-minor orientation (lingjax/param_layout.py); v1 files
-# had them [in, out] and are refused (the shapes alone cannot tell when F == D).
+# v2: KDA projections, MLP and expert weights in the published K-minor orientation
+# (lingjax/param_layout.py); v1 files had them [in, out] and are refused (the shapes alone cannot
+# tell when F == D).
 FORMAT = "lingjax-embedded-v2"
 
 

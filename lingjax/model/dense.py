@@ -17,7 +17,7 @@ contracted with the input: the leading ones (k_axes > 0, a K-major [K..., N...] 
 trailing ones (k_axes < 0, a K-minor [N..., K...] weight, the published orientation, which the
 kernel takes with ``k_minor=True``: fp8 tiles as register WGMMA operands)):
 
-    KDA         w_in [D, 5, H, K] (one GEMM to 5*H*K), w_out [H, K, D]
+    KDA         w_in [5, H, K, D] (one GEMM to 5*H*K), w_out [D, H, K], K-minor
     GatedMLA    q_a, q_b, q_proj, kv_a, dense [H, V, D]   (kv_b, used in the absorbed attention
                 einsums and the prefill expansion, stays on XLA)
     DenseMLP    w_gate_up [2, F, D] (one GEMM to 2*F), w_down [D, F], K-minor  (dense layers and the MoE

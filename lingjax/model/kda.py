@@ -106,21 +106,21 @@ def _pallas(fn, *args, head_axes, out_head_axes):
 
 
 class KDA(nnx.Module):
-    DENSE_WEIGHTS = (("w_in", 1), ("w_out", 2))    # dense_kernel projections (lingjax/model/dense.py)
+    DENSE_WEIGHTS = (("w_in", -1), ("w_out", -2))  # dense_kernel projections, K-minor (lingjax/model/dense.py)
 
     def __init__(self, cfg: LingConfig, *, dtype, rngs, kda_kernel: str = "xla"):
         d, h, k, ks = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
         acc = acc_dtype(dtype)
         self.cfg = cfg
         self.kda_kernel = check_kda_kernel(kda_kernel, cfg, dtype)
-        # q, k, v, f, g projections fused: [D, 5, H, K]
-        self.w_in = param(rngs, (d, 5, h, k), ("embed", None, "heads", "head_dim"), dtype, std=d ** -0.5)
+        # q, k, v, f, g projections fused, K-minor as published: [5, H, K, D]
+        self.w_in = param(rngs, (5, h, k, d), (None, "heads", "head_dim", "embed"), dtype, std=d ** -0.5)
         self.w_beta = param(rngs, (d, h), ("embed", "heads"), dtype, std=d ** -0.5)
         self.conv = param(rngs, (ks, 3, h, k), (None, None, "heads", "head_dim"), dtype, std=ks ** -0.5)
         self.A_log = param(rngs, (h,), ("heads",), acc, std=0.5)
         self.dt_bias = param(rngs, (h, k), ("heads", "head_dim"), acc, std=0.5)
         self.o_norm = param(None, (k,), (None,), dtype, init="ones")
-        self.w_out = param(rngs, (h, k, d), ("heads", "head_dim", "embed"), dtype, std=(h * k) ** -0.5)
+        self.w_out = param(rngs, (d, h, k), ("embed", "heads", "head_dim"), dtype, std=(h * k) ** -0.5)
 
     def __call__(self, x, cache: KDAState, *, pending: bool = False, valid_len=None):
         """x [B, T, D] -> (y [B, T, D], new KDAState) or, with pending=True (speculative verify),
@@ -133,10 +133,10 @@ class KDA(nnx.Module):
         acc = acc_dtype(x.dtype)
         b, t, _ = x.shape
         if dense.uses_kernel(self, "w_in", b * t):
-            proj = dense.dense_matmul(x.astype(self.w_in.dtype), self.w_in)     # [B, T, 5, H, K]
+            proj = dense.dense_matmul(x.astype(self.w_in.dtype), self.w_in, k_axes=-1)   # [B, T, 5, H, K]
         else:
             w_in = self.w_in[...]
-            proj = jnp.einsum("btd,dchk->btchk", x.astype(w_in.dtype), w_in)   # [B, T, 5, H, K]
+            proj = jnp.einsum("btd,chkd->btchk", x.astype(w_in.dtype), w_in)   # [B, T, 5, H, K]
         conv_in = jnp.concatenate([cache.conv, proj[:, :, :3]], axis=1)     # [B, ks-1+T, 3, H, K]
         qkv = jax.nn.silu(causal_conv(conv_in, self.conv[...], t))
         q = kda_ops.l2_normalize(qkv[:, :, 0])
@@ -185,8 +185,8 @@ class KDA(nnx.Module):
         o = rms_norm(o, self.o_norm[...].astype(o.dtype), self.cfg.rms_norm_eps)
         o = (o * jax.nn.sigmoid(gate.astype(o.dtype))).astype(dtype)
         if dense.uses_kernel(self, "w_out", o.shape[0] * o.shape[1]):
-            return dense.dense_matmul(o, self.w_out, k_axes=2)
-        return jnp.einsum("bthk,hkd->btd", o, self.w_out[...])
+            return dense.dense_matmul(o, self.w_out, k_axes=-2)
+        return jnp.einsum("bthk,dhk->btd", o, self.w_out[...])
 
 
 def widen_state(state, acc):
