@@ -1,11 +1,11 @@
-"""The MoE router (lingjax.ops.moe.route) with lax.top_k (sorts) vs the selection by rank (no sort).
+"""The MoE router (lingjax.ops.moe.route) with lax.top_k (sorts) vs top_k_by_rank (no sort).
 
     python -m bench.router_timing --M 1,9            # on the H200
     python -m bench.router_timing --M 1 --iters 2     # any host (a smoke run, not a timing)
 
 Ling-3.0-flash router: x [M, 2560] bf16 @ router [2560, 512] bf16, fp32 sigmoid scores plus a
 spread bias, 8 groups (top-2 sum), 4 groups kept, top-8 experts, normalised weights. Rows per M:
-`sort` (every top-k through jax.lax.top_k, a sort kernel on the GPU) and `rank` (route(by_rank=True):
+`sort` (every top-k through jax.lax.top_k, a sort kernel on the GPU) and `rank` (top_k_by_rank:
 comparisons and reductions; the model takes it for M <= lingjax.ops.moe.SORT_FREE_MAX_ROWS = 16
 since this timing showed it pays on the H200, session 7), µs per call inside one jitted loop
 (bench.common.time_in_loop, the loop's own per-call cost subtracted), and whether the two give

@@ -40,17 +40,19 @@ def _param_like(w):
     return w if isinstance(w, (Fp8Weight, nnx.Variable)) else _Array(jnp.asarray(w))
 
 
-# Routers of up to this many tokens select by rank (`_select_by_rank`) instead of lax.top_k (same
-# result): decode and verify blocks. H200 (session 7, `python -m bench.router_timing --M 1,9`, three
-# top_k_by_rank calls then): the whole router 16.9 vs 22.2 us per call at M = 1, 15.4 vs 18.7 at
-# M = 9. On the CPU the rank path is slower.
+# Routers of up to this many tokens take top_k_by_rank instead of lax.top_k (same result): decode
+# and verify blocks. H200 (session 7, `python -m bench.router_timing --M 1,9`): the whole router
+# 16.9 vs 22.2 us per call at M = 1, 15.4 vs 18.7 at M = 9. On the CPU the rank path is slower.
 SORT_FREE_MAX_ROWS = 16
 
 
-def rank_desc(x):
-    """rank [..., n] int32 of each entry of x [..., n] in descending order, ties to the lower index
-    (jax.lax.top_k's order, -0.0 below +0.0): #{j: x[j] > x[i], or x[j] == x[i] and j < i}, a
-    permutation of 0..n-1 per row; n^2 comparisons and one reduction. NaN entries break it."""
+def top_k_by_rank(x, k: int):
+    """jax.lax.top_k without a sort: (values, indices) [..., k], descending, ties to the lower index.
+
+    rank[i] = #{j: x[j] > x[i], or x[j] == x[i] and j < i} is a permutation of 0..n-1 and the k
+    entries of rank < k are the top k: n^2 comparisons per row, a few reductions for XLA, where
+    lax.top_k is a sort kernel (3 µs each on the H200, three per router call). For the decode /
+    verify router (n <= 512, <= 16 rows); NaN entries (never in a router's scores) break it."""
     n = x.shape[-1]
     i = jnp.arange(n)
     xi, xj = x[..., :, None], x[..., None, :]
@@ -58,7 +60,9 @@ def rank_desc(x):
     ni, nj = neg[..., :, None], neg[..., None, :]
     tie = (xj == xi) & (nj == ni) & (i[None, :] < i[:, None])
     beats = (xj > xi) | ((xj == xi) & ni & ~nj) | tie                       # [..., n, n]: j beats i
-    return beats.sum(-1, dtype=jnp.int32)
+    rank = beats.sum(-1, dtype=jnp.int32)                                   # [..., n]
+    idx = jnp.sum(jnp.where(rank[..., None, :] == jnp.arange(k)[:, None], i, 0), axis=-1, dtype=jnp.int32)
+    return jnp.take_along_axis(x, idx, axis=-1), idx
 
 
 def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int,
@@ -73,8 +77,8 @@ def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int
     times routed_scaling_factor.
     Approximate modes (off by default): bf16_logits computes logits and sigmoid in bfloat16;
     expert_keep=X keeps the heaviest experts carrying X of s before normalising (`keep_top_share`).
-    by_rank: select by rank without a sort (`_select_by_rank`, True) or with lax.top_k (False), the
-    same result; None: by rank for at most SORT_FREE_MAX_ROWS tokens.
+    by_rank: the top-k's through `top_k_by_rank` (True) or lax.top_k (False), the same result;
+    None: by rank for at most SORT_FREE_MAX_ROWS tokens.
     """
     acc = acc_dtype(x.dtype)
     if bf16_logits:
@@ -86,40 +90,20 @@ def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int
     n, e = biased.shape
     if by_rank is None:
         by_rank = n <= SORT_FREE_MAX_ROWS
-    if by_rank:
-        idx, w = _select_by_rank(s, biased, n_group, topk_group, top_k)
-    else:
-        grouped = biased.reshape(n, n_group, e // n_group)
-        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)                  # [N, G]
-        _, keep = jax.lax.top_k(group_score, topk_group)                    # [N, topk_group]
-        group_mask = jax.nn.one_hot(keep, n_group, dtype=jnp.bool_).any(axis=1)  # [N, G]
-        masked = jnp.where(jnp.repeat(group_mask, e // n_group, axis=1), biased, -jnp.inf)
-        _, idx = jax.lax.top_k(masked, top_k)
-        w = jnp.take_along_axis(s, idx, axis=1)
+    top = top_k_by_rank if by_rank else jax.lax.top_k                        # same result
+    grouped = biased.reshape(n, n_group, e // n_group)
+    group_score = top(grouped, 2)[0].sum(-1)                                # [N, G]
+    _, keep = top(group_score, topk_group)                                  # [N, topk_group]
+    group_mask = jax.nn.one_hot(keep, n_group, dtype=jnp.bool_).any(axis=1)  # [N, G]
+    expert_mask = jnp.repeat(group_mask, e // n_group, axis=1)
+    masked = jnp.where(expert_mask, biased, -jnp.inf)
+    _, idx = top(masked, top_k)
+    w = jnp.take_along_axis(s, idx, axis=1)
     if expert_keep is not None:
         idx, w = keep_top_share(idx, w, expert_keep)
     if norm_topk_prob:
         w = w / (w.sum(-1, keepdims=True) + 1e-20)
     return idx.astype(jnp.int32), w * routed_scaling_factor
-
-
-def _select_by_rank(s, biased, n_group: int, topk_group: int, top_k: int):
-    """`route`'s selection without a sort, in few dependent reductions (each one XLA kernel at
-    decode / verify sizes): s / biased [N, E] -> (idx [N, top_k] int32, s at idx [N, top_k]),
-    the same as the lax.top_k path. A group's score, the sum of its two largest biased scores, is
-    the largest sum of two different entries (rounding is monotone, so the same float); the kept
-    groups are those of rank < topk_group; the experts' rank gives idx and their weights in one
-    reduction."""
-    n, e = biased.shape
-    m = e // n_group
-    grouped = biased.reshape(n, n_group, m)
-    pairs = jnp.where(jnp.eye(m, dtype=bool), -jnp.inf, grouped[..., :, None] + grouped[..., None, :])
-    group_score = pairs.max(axis=(-2, -1))                                   # [N, G]
-    group_mask = rank_desc(group_score) < topk_group                         # [N, G]
-    masked = jnp.where(jnp.repeat(group_mask, m, axis=1), biased, -jnp.inf)
-    chosen = rank_desc(masked)[:, None, :] == jnp.arange(top_k)[:, None]     # [N, k, E]
-    idx = jnp.sum(jnp.where(chosen, jnp.arange(e), 0), axis=-1, dtype=jnp.int32)
-    return idx, jnp.sum(jnp.where(chosen, s[:, None, :], 0), axis=-1)
 
 
 def keep_top_share(idx, w, keep: float):
