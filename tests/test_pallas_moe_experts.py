@@ -366,7 +366,8 @@ def test_k_minor_checks():
                            shared=(vgu[0].transpose(2, 0, 1), sgu[0], vd[0], sd[0], None))
     with pytest.raises(ValueError, match="'async' with k_minor=True gave wrong results"):
         moe_experts_pallas(x, idx, w, vgu, sgu, vd, sd, k_minor=True, fp8_schedule="async", interpret=INTERPRET)
-    assert moe_split(9, 2560, 768, k_minor=True) == (4, 1)       # kernel 2: 9 x 40 = 360 programs
+    assert moe_split(9, 2560, 768, k_minor=True) == (2, 1)       # 9 x 12 x 2 = 216 and 9 x 40 = 360 programs
+    assert moe_split(67, 2560, 768, k_minor=True) == (1, 1)      # a verify block: unsplit
 
 
 def test_shared_expert_checks():
