@@ -11,13 +11,13 @@ Layout of a converted checkpoint directory (format `lingjax-converted`, version 
                       keyed by the dotted parameter path, e.g. `layers.3.attn.kv_b`
 
 Arrays are stored in the model's own layout (`lingjax.weights.plan_for`: fused, stacked; [in, out]
-for the MLA projections, the published [out, in] for KDA, MLP and expert weights; version 1 had
-every matrix [in, out] and is refused: reconvert)
-and chunked along the axes the partition rules shard (`checkpoints_convert/chunks.py`: a 1-, 2-, 4-
-or 8-way shard of any array over 1 MiB per shard starts and ends on chunk boundaries), so a restore
-with target shardings reads only each device's shard. The reader takes any chunking (it is in each
-array's zarr metadata): checkpoints written with other chunk shapes restore the same values, each
-device reading the whole chunks its shard touches.
+for the MLA projections, lm_head, router and eh_proj, the published [out, in] for KDA, MLP and
+expert weights; version 1 had every matrix [in, out] and is refused: reconvert) and chunked along
+the axes the partition rules shard (`checkpoints_convert/chunks.py`: a 1-, 2-, 4- or 8-way shard of
+any array over 1 MiB per shard starts and ends on chunk boundaries), so a restore with target
+shardings reads only each device's shard. The reader takes any chunking (it is in each array's zarr
+metadata): checkpoints written with other chunk shapes restore the same values, each device reading
+the whole chunks its shard touches.
 
 FP8 parameters store `key` (float8_e4m3fn values, same shape as the parameter) and
 `key_scale_inv` (float32). The scales follow the parameter's *matrix view*, recorded in the
@@ -25,9 +25,10 @@ manifest as `fp8 = {stack, in, out, block}` (axis lists of the stored array): pe
 (stack axes, in axes, out axes) and flatten to [*stack_dims, IN, OUT]; `scale_inv` is
 [*stack_dims, ceil(IN/block[0]), ceil(OUT/block[1])] and multiplies each block of that view. Each
 [IN, OUT] matrix is one published [out, in] weight transposed, so its scales are the published
-`weight_scale_inv` transposed (also for the K-minor MLP weights, whose values are not). Loading dequantises (float32 product, then a cast) to the requested
-dtype, or, with `fp8_weights=True`, keeps values and scales as the model's block-fp8 weights
-(`lingjax.quant.Fp8Weight`, which uses the same matrix view).
+`weight_scale_inv` transposed (also for the K-minor weights, whose values are not). Loading
+dequantises (float32 product, then a cast) to the requested dtype, or, with `fp8_weights=True`,
+keeps values and scales as the model's block-fp8 weights (`lingjax.quant.Fp8Weight`, which uses
+the same matrix view).
 """
 from __future__ import annotations
 

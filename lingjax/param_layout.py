@@ -2,11 +2,12 @@
 
 A `Matrix` parameter is made of published [out, in] weights, stacked along `stack` axes (fused
 q/k/v/f/g, gate/up, experts) and with in/out split over several axes (heads); its in axes come
-before its out axes ([in, out], "K-major": the attention projections, lm_head, router) or after them
+before its out axes ([in, out], "K-major": MLA, lm_head, router, w_beta, eh_proj) or after them
 (the published [out, in] orientation, "K-minor": the KDA projections, the MLP and expert weights,
 whose weight-streaming kernels take the fp8 tiles as register operands,
-pallas_kernels/moe_experts.py, pallas_kernels/skinny_gemm.py). The same description is the fp8 *matrix view* (see lingjax/checkpoint.py): it says how
-the published block scales line up with the stored array, and which source shapes to expect.
+pallas_kernels/moe_experts.py, pallas_kernels/skinny_gemm.py). The same description is the fp8
+*matrix view* (see lingjax/checkpoint.py): it says how the published block scales line up with the
+stored array, and which source shapes to expect.
 `Vector` parameters are the source itself (or its flattening); `Conv` is the KDA conv stack.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Hugging Face tensor names -> lingjax parameters: one mapping table, used by the direct loader and
-by the converter. Each parameter path of `LingModel` gets the HF names it is built from and a
-function that assembles them (transpose [out, in] -> [in, out] for the K-major attention
-projections, fuse KDA's q/k/v/f/g and the MLPs' gate/up, stack experts; the KDA, MLP and expert
-weights keep the published K-minor orientation: lingjax/param_layout.py).
+"""Hugging Face tensor names -> lingjax parameters: one mapping table, used by the direct loader and by
+the converter. Each parameter path of `LingModel` gets the HF names it is built from and a function
+that assembles them (transpose [out, in] -> [in, out] for the K-major MLA projections, lm_head,
+router, w_beta and eh_proj; fuse KDA's q/k/v/f/g and the MLPs' gate/up, stack experts; the KDA, MLP
+and expert weights keep the published K-minor orientation: lingjax/param_layout.py).
 """
 from __future__ import annotations
 

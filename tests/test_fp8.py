@@ -120,5 +120,6 @@ def test_fp8_param_shardings_follow_the_weight():
     q, _ = _fp8_and_dequantised()
     mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
     sh = sharding.param_shardings(q, mesh)
-    assert sh[("layers", 3, "mlp", "w_gate_up", "values")].spec == jax.sharding.PartitionSpec(None, None, ("ep", "tp"), None)
+    P = jax.sharding.PartitionSpec
+    assert sh[("layers", 3, "mlp", "w_gate_up", "values")].spec == P(None, None, ("ep", "tp"), None)
     assert sh[("layers", 3, "mlp", "w_gate_up", "scale_inv")].spec == jax.sharding.PartitionSpec(None, None, None, None)
