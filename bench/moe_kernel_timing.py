@@ -236,6 +236,8 @@ def main(argv=None) -> dict:
     schedules = choice_list(ap, a.fp8_schedule, "--fp8-schedule", FP8_SCHEDULES)
     if schedules and a.weights != "fp8":
         ap.error("--fp8-schedule is for --weights fp8")
+    if "async" in schedules and not a.k_major:
+        ap.error("--fp8-schedule async needs --k-major (the K-minor kernels refuse it: wrong results on the H200)")
     grids["fp8_schedule"] = schedules or [None]
     from pallas_kernels.common import FP8_LOAD_LAYOUTS
     grids["fp8_load_layout"] = choice_list(ap, a.fp8_load_layout, "--fp8-load-layout", FP8_LOAD_LAYOUTS) or [None]

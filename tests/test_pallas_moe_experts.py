@@ -617,6 +617,7 @@ def test_timing_entry_point_cpu_smoke(tmp_path):
     (r,) = rec["results"]
     assert r["tiling"] == {"fp8_load_layout": "upcast2x"}
     assert "kernel_error" not in r and "gather_error" not in r, r
+    assert r["k_minor"] and "gather_us" in r                   # the model's layout: the gather row is timed
     assert r["finite"] and r["max_abs_err"] <= 2e-2 * r["ref_max"]
     assert r["bytes"] == r["n_experts_used"] * (3 * 256 * 128 + 3 * 2 * 1 * 4)
     assert len(list(tmp_path.glob("moe_kernel_timing-*.json"))) == 1
@@ -637,24 +638,25 @@ def test_timing_entry_point_bf16_cpu_smoke(tmp_path):
 @interpret_only
 def test_timing_entry_point_sweep_with_shared_expert(tmp_path):
     """--shared and a tiling sweep: one row per (split_d, stages, fp8_schedule) combination, the shared expert's
-    bytes counted, the gather row only with the first combination, every row matching gather."""
+    bytes counted, every row matching gather ('async': K-major weights only, so no gather row)."""
     from bench.moe_kernel_timing import main
-    rec = main(["--interpret", "--shared", "--M", "1", "--E", "8", "--D", "256", "--F", "128", "--k", "2",
+    rec = main(["--interpret", "--shared", "--k-major", "--M", "1", "--E", "8", "--D", "256", "--F", "128", "--k", "2",
                 "--split-d", "1,2", "--stages", "3", "--fp8-schedule", "serial,async", "--limit", "0.05",
                 "--iters", "1", "--warmup", "1", "--no-xla-defaults", "--out-dir", str(tmp_path)])
     rows = rec["results"]
     assert [r["tiling"] for r in rows] == [{"split_d": d, "stages": s, "fp8_schedule": c}
                                            for d in (1, 2) for s in (3,) for c in ("serial", "async")]
-    for i, r in enumerate(rows):
+    for r in rows:
         assert r["shared"] and r["n_experts_used"] == 3                       # 2 routed + the shared one
         assert "kernel_error" not in r and r["finite"] and r["max_abs_err"] <= 2e-2 * r["ref_max"], r
-        assert ("gather_us" in r) == (i == 0)
+        assert "gather_us" not in r and not r["k_minor"]
 
 
 def test_timing_entry_point_rejects_bad_sweeps(capsys):
     from bench.moe_kernel_timing import main
     for flag, value, msg in (("--fp8-load-layout", "16bit", "--fp8-load-layout must be"),
-                             ("--fp8-schedule", "pair", "--fp8-schedule must be")):
+                             ("--fp8-schedule", "pair", "--fp8-schedule must be"),
+                             ("--fp8-schedule", "async", "needs --k-major")):
         with pytest.raises(SystemExit):
             main(["--interpret", flag, value, "--no-xla-defaults"])
         assert msg in capsys.readouterr().err
