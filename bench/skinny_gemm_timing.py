@@ -194,6 +194,9 @@ def main(argv=None) -> dict:
     schedules = choice_list(ap, a.fp8_schedule, "--fp8-schedule", FP8_SCHEDULES)
     if not schedules:
         ap.error(f"--fp8-schedule must name at least one of {', '.join(FP8_SCHEDULES)}")
+    if a.k_minor and set(schedules) - {"serial"}:
+        ap.error("--k-minor takes --fp8-schedule serial only (the kernel refuses 'pair' and 'async' "
+                 "for [N, K] weights)")
     if not a.no_xla_defaults:
         xla_env.configure()
     import jax

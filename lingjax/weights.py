@@ -31,11 +31,6 @@ def _t(w):
     return np.swapaxes(w, -1, -2)
 
 
-def _stack_t(*ws):
-    """[out, in] x n -> [in, n, out]"""
-    return np.stack([_t(w) for w in ws], axis=1)
-
-
 def _stack(*ws):
     """[out, in] x n -> [n, out, in] (K-minor, as published)"""
     return np.stack(ws)

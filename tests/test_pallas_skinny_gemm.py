@@ -368,6 +368,9 @@ def test_timing_entry_point_rejects_bad_load_layout(capsys):
     with pytest.raises(SystemExit):
         main(["--interpret", "--fp8-load-layout", "wgmma,wgmma", "--no-xla-defaults"])
     assert "--fp8-load-layout must be a comma list of distinct" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--interpret", "--k-minor", "--fp8-schedule", "serial,async", "--no-xla-defaults"])
+    assert "--k-minor takes --fp8-schedule serial only" in capsys.readouterr().err
 
 
 @interpret_only

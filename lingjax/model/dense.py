@@ -150,7 +150,7 @@ def dense_matmul(x, weight, *, k_axes: int = 1, out_dtype=None):
                          "use dense_kernel='xla' on a device mesh")
     interpret = kernels.interpret_arg("dense_kernel")
     k_ax, n_ax = _axes(len(weight.shape), k_axes)
-    K = math.prod(weight.shape[a] for a in k_ax)
+    K, _ = _matrix_shape(tuple(weight.shape), k_axes)
     lead = x.shape[:x.ndim - len(k_ax)]
     out_dtype = out_dtype or jnp.promote_types(x.dtype, compute_dtype(weight))
     y = kernels.shared_call(skinny_gemm.skinny_gemm_pallas, x.reshape(-1, K), w, scale, interpret=interpret,
