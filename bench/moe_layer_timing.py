@@ -1,0 +1,198 @@
+"""One whole Ling-3.0-flash MoE layer (router + routed and shared experts) per call, and where its
+time goes: the expert kernels against the XLA work around them.
+
+    python -m bench.moe_layer_timing --M 1,9                      # on the H200
+    python -m bench.moe_layer_timing --M 1,9 --profile /tmp/moe   # + a kernel-by-kernel table
+    python -m bench.moe_layer_timing --tiny --M 1 --iters 2       # any host (smoke run, not a timing)
+
+Builds `lingjax.model.mlp.MoE` layers with random weights (fp8 128 x 128 blocks by default, as the
+full-depth benchmark runs them; expert_bias drawn with --bias-std so that routing spreads), sets
+--moe-kernel and --dense-kernel, and times `layer(x)` for x [1, M, D] inside one jitted loop
+(bench.common.time_in_loop over --layers weight copies, the loop's own per-call cost subtracted).
+With --profile DIR it traces that loop once more and prints, per XLA kernel of one layer call,
+the µs per call, the count per call, and what the kernel computes (the fused HLO opcodes and the
+jax source ops named in its metadata): the table the glue work (router, routing prologue, combine)
+is read from.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+from pathlib import Path
+
+from bench.common import choice_list, int_list
+from lingjax import xla_env
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.moe_layer_timing", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--M", default="1,9", help="comma list of token counts (1..16; default 1,9)")
+    ap.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8", help="expert / shared weights (default fp8)")
+    ap.add_argument("--moe-kernel", default="pallas,xla", help="comma list of MoE kernels to time (default pallas,xla)")
+    ap.add_argument("--dense-kernel", choices=["pallas", "xla"], default="pallas",
+                    help="the shared expert's kernel when it runs on its own (default pallas)")
+    ap.add_argument("--layers", type=int, default=2,
+                    help="weight copies cycled through, as a model's layers are (default 2: 2.8 GB fp8, > L2)")
+    ap.add_argument("--bias-std", type=float, default=1.0, help="expert_bias spread (default 1.0)")
+    ap.add_argument("--iters", type=int, default=50, help="loop iterations per timing (default 50)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="the ling3-tiny preset (smoke runs on a CPU)")
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="trace one more loop per row into DIR and print its kernels")
+    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
+    return ap
+
+
+_CALLS = re.compile(r"\bcalls=%?([^\s,{}()]+)")
+_OPNAME = re.compile(r'op_name="([^"]*)"')
+_OPCODE = re.compile(r"=\s*[^=]*?\s([a-z][a-z0-9\-]*)\(")
+
+
+def fusion_summary(hlo_text: str) -> dict[str, str]:
+    """{instruction: 'opcodes | source ops'} for the instructions of compiled HLO text: the opcodes
+    of the computation it calls (a fusion's body; counts) and the last two parts of the jax op names
+    in it (which lines of the model the kernel computes)."""
+    comps: dict[str, list[str]] = {}
+    instr_line: dict[str, str] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():
+            m = re.match(r"^(?:ENTRY\s+)?%?([^\s(]+)", line)
+            current = m.group(1) if m else None
+            comps.setdefault(current, [])
+            continue
+        m = re.match(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=", line)
+        if m and current is not None:
+            comps[current].append(line)
+            instr_line[m.group(1)] = line
+    out = {}
+    for name, line in instr_line.items():
+        body = comps.get(next(iter(_CALLS.findall(line)), None), [line])
+        ops = collections.Counter(o for b in body for o in _OPCODE.findall(b)[:1]
+                                  if o not in ("parameter", "constant", "bitcast"))
+        srcs = {"/".join(n.split("/")[-2:]) for b in body for n in _OPNAME.findall(b)}
+        out[name] = (" ".join(f"{o}x{c}" if c > 1 else o for o, c in ops.most_common(6))
+                     + " | " + ", ".join(sorted(srcs))[:160])
+    return out
+
+
+def kernel_table(trace_dir: str, hlo_text: str, calls: int) -> list[dict]:
+    """Kernels of the traced loop grouped by HLO instruction: [{hlo_op, kernel, us_per_call,
+    count_per_call, what}] (most time first); `calls` = layer calls traced."""
+    from bench.profile_breakdown import kernel_events, load_events
+    _, events = load_events(trace_dir)
+    kernels, _, _ = kernel_events(events)
+    summary = fusion_summary(hlo_text)
+    acc: dict[tuple, list] = collections.defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        key = (str(e.args.get("hlo_op", "?")), e.name)
+        acc[key][0] += e.dur
+        acc[key][1] += 1
+    rows = [{"hlo_op": op, "kernel": k, "us_per_call": t / calls, "count_per_call": n / calls,
+             "what": summary.get(op, "")} for (op, k), (t, n) in acc.items()]
+    return sorted(rows, key=lambda r: -r["us_per_call"])
+
+
+def main(argv=None) -> dict:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    ms = int_list(ap, a.M, "--M")
+    kernels = choice_list(ap, a.moe_kernel, "--moe-kernel", ("pallas", "xla"))
+    if not ms or min(ms) < 1 or max(ms) > 16 or a.iters < 1 or a.layers < 1 or not kernels:
+        ap.error("--M needs token counts in 1..16, --iters and --layers >= 1, --moe-kernel at least one kernel")
+    if not a.no_xla_defaults:
+        xla_env.configure()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from bench.common import loop_overhead, save_result, time_in_loop
+    from lingjax.config import preset
+    from lingjax.model import dense, kernels as kernel_ctx
+    from lingjax.model.mlp import MoE, set_moe_kernel
+    from lingjax.quant import quantize_model
+
+    on_gpu = jax.default_backend() == "gpu"
+    cfg = preset("ling3-tiny" if a.tiny else "ling3-flash")
+    layer = cfg.first_k_dense_replace
+
+    def build(i):
+        m = MoE(cfg, layer, dtype=jnp.bfloat16, rngs=nnx.Rngs(a.seed + i))
+        m.expert_bias.set_value(jax.random.normal(jax.random.PRNGKey(1000 + a.seed + i), (cfg.num_experts,),
+                                                  jnp.float32) * a.bias_std)
+        return quantize_model(m) if a.dtype == "fp8" else m
+
+    mods = [build(i) for i in range(a.layers)]
+    rows = []
+    for kernel in kernels:
+        graphdef = None
+        states = []
+        for m in mods:
+            set_moe_kernel(m, kernel)
+            dense.set_dense_kernel(m, a.dense_kernel if kernel == "pallas" else "xla")
+            graphdef, st = nnx.split(m)
+            states.append(st)
+
+        def f(x, st, graphdef=graphdef):
+            return nnx.merge(graphdef, st)(x)
+
+        ctx = kernel_ctx.pallas_interpret if not on_gpu and kernel == "pallas" else None
+        for M in ms:
+            xs = [jax.random.normal(jax.random.PRNGKey(a.seed + 7 * M + i), (1, M, cfg.hidden_size),
+                                    jnp.float32).astype(jnp.bfloat16) for i in range(a.layers)]
+            sets = [(x, st) for x, st in zip(xs, states)]
+            kw = {} if on_gpu else {"per_iter": 1, "repeats": 1}
+            with ctx() if ctx else _null():
+                overhead = loop_overhead(sets, a.iters, **kw)
+                t = time_in_loop(f, sets, a.iters, **kw)
+            row = {"moe_kernel": kernel, "M": M, "layer_us": (t - overhead) * 1e6, "raw_us": t * 1e6,
+                   "loop_overhead_us": overhead * 1e6}
+            print(f"{kernel:6s} M={M:2d}: {row['layer_us']:7.1f} us per MoE layer call "
+                  f"(loop overhead {row['loop_overhead_us']:.1f} us subtracted)"
+                  + ("" if on_gpu else "  [not a GPU: smoke run, not a timing]"), flush=True)
+            if a.profile:
+                row["kernels"] = _profile(f, sets, a, Path(a.profile) / f"{kernel}-M{M}", ctx, kw)
+                tot = sum(r["us_per_call"] for r in row["kernels"])
+                n = sum(r["count_per_call"] for r in row["kernels"])
+                print(f"  {n:.0f} kernels, {tot:.1f} us of kernel time per call:")
+                for r in row["kernels"]:
+                    print(f"  {r['us_per_call']:7.2f} us x{r['count_per_call']:.0f}  {r['kernel'][:34]:34s} "
+                          f"{r['hlo_op'][:28]:28s} {r['what']}")
+            rows.append(row)
+    rec = {"bench": "moe_layer_timing", "dtype": a.dtype, "layers": a.layers, "bias_std": a.bias_std,
+           "dense_kernel": a.dense_kernel, "iters": a.iters, "preset": "ling3-tiny" if a.tiny else "ling3-flash",
+           "smoke": not on_gpu, "rows": rows}
+    rec["result_path"] = str(save_result("moe_layer_timing", rec, a.out))
+    return rec
+
+
+def _profile(f, sets, a, d: Path, ctx, kw) -> list[dict]:
+    """Trace the `a.iters`-iteration loop of f once (after its compile) into d and tabulate its kernels."""
+    import jax
+
+    from bench.common import loop_program
+    run, n_calls = loop_program(f, len(sets), a.iters, kw.get("per_iter", 8))
+    with ctx() if ctx else _null():
+        # without command buffers: kernels inside a CUDA graph are mostly missing from device traces
+        opts = {"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu" else {}
+        compiled = run.lower(sets).compile(compiler_options=opts)
+        jax.block_until_ready(compiled(sets))
+        with jax.profiler.trace(str(d)):
+            jax.block_until_ready(compiled(sets))
+    return kernel_table(str(d), compiled.as_text(), a.iters * n_calls)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    main()
