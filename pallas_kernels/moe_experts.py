@@ -18,8 +18,10 @@ Design
 * XLA prologue (tiny): the M*k ids of the slots with a nonzero combine weight are deduplicated
   into ``uniq [U]`` with the static bound U = min(M*k, E) (sorted, padded with -1; for one token
   its slots as they are, zero-weight ones -1), the combine weights become ``wu [U, M]`` (0 for
-  padding), x is zero-padded to ``xp [16, D]`` bf16, and (fp8) the chosen experts' scales are
-  gathered (D/128 axis minor, padded to 16 bytes) so that a program's scales come in with one TMA.
+  padding), x is zero-padded to ``xp [16, D]`` bf16. fp8 block scales are not gathered: each
+  program copies its expert's whole scale block (``scale_rows``: the stored [.., IN, OUT] blocks
+  flattened, a free reshape for Ling-3.0) to SMEM with one TMA and indexes it there (session 10;
+  before, a gather, transpose, pad and concatenation per call: XLA kernels of ~1.5 us each).
 * bf16 weights (a static switch: no scales given) take the same kernels without the
   dequantisation: the pipeline's TMA lands each chunk directly in a swizzled SMEM tile that is
   the WGMMA A operand (no register round trip, no scale loads). Bytes per expert double.
@@ -62,13 +64,16 @@ Design
   of w_down[uniq[u], :, j*128:...] in 128-row chunks (split_f = 2 for one token); fp8 chunks are
   dequantised in registers (fp8 -> f32, * block scale, -> bf16: the reference ``Fp8Weight``
   dequantisation, bit for bit) into a swizzled bf16 tile; A = that tile transposed (128 output
-  rows), B = act chunk [16, 128] transposed; writes the fp32 per-expert output ``yu [U, D, 16]``.
-* Shared expert (``shared=``, optional): one more slot, the last, whose programs read the shared
-  expert's own weight arrays ([D, 2, F], [F, D], its own SwiGLU clamp) and whose combine weight
-  is 1 for every token: the MoE layer's routed and shared experts in the same two launches,
-  summed in float32 (the model uses it when the shared expert is as wide as a routed one).
+  rows), B = act chunk [16, 128] transposed; writes the per-expert output ``yu [U, D, 16]``
+  (bf16, each expert's output rounded once as in the reference; float32 partial sums when F is
+  split).
+* Shared expert (``shared=``, optional): one more slot, the last (u = len(uniq): not an entry of
+  uniq), whose programs read the shared expert's own weight and scale arrays ([D, 2, F], [F, D],
+  its own SwiGLU clamp) and whose combine weight is 1 for every token: the MoE layer's routed and
+  shared experts in the same two launches, summed in float32 (the model uses it when the shared
+  expert is as wide as a routed one).
 * Combine across experts: an XLA reduction ``y[m, d] = sum_s,u wu[u, m] * yu[s, u, d, m]`` (no
-  atomics: deterministic, and the extra traffic U*D*16*4 bytes is ~3% of the weight bytes).
+  atomics: deterministic, and the extra traffic U*D*16*2 bytes is ~1.5% of the weight bytes).
 * Padding slots (uniq = -1) skip all their loads and matmuls (``pl.when``): only the selected
   experts' weights are read, each exactly once per call however many tokens chose it. Kernel 2
   writes zeros for them (kernel 1 leaves their act rows unwritten; only kernel 2's padding
@@ -76,7 +81,7 @@ Design
 
 Bytes per call (fp8): n_used * 3 * D * F weight bytes (5.9 MB per Ling expert) + their scales
 + small traffic (x per program from L2; act 4 * U * F * 16 * 2 B with the transpose; yu
-2 * U * D * 16 * 4 B). 5 launches (prologue fusions, kernel 1, transpose, kernel 2, combine).
+2 * U * D * 16 * 2 B). 5 launches (prologue fusions, kernel 1, transpose, kernel 2, combine).
 Ling at M = 1: 8 experts = 47.2 MB of weights -> 11 us at the H200's 4.3 TB/s copy bandwidth;
 M = 9 with random routing ~ 67 distinct experts ~ 395 MB -> 92 us. bf16: twice the weight bytes.
 
@@ -157,6 +162,32 @@ def dedupe_experts(idx, w, n_experts: int):
     return uniq, wu
 
 
+def scale_rows(s, lead: int):
+    """Block scales s [*lead, ...] (float32) -> [*lead, R, C]: each expert's trailing axes flattened
+    in order (index q = row-major position) into R rows of C <= 256 floats, C a multiple of 4 (16
+    bytes): one TMA copy brings an expert's scales to SMEM, indexed by ``scale_at`` with no
+    per-call gather, transpose or pad in XLA. Zero-padded to a multiple of 4 floats first when the
+    block count is not (small test shapes; Ling-3.0: 2 x 20 x 6 and 6 x 20 need no pad). Raises
+    ValueError when R would exceed 256 (a TMA box dimension)."""
+    n = 1
+    for d in s.shape[lead:]:
+        n *= d
+    flat = s.astype(_F32).reshape(*s.shape[:lead], n)
+    n4 = -(-n // 4) * 4
+    if n4 != n:
+        flat = jnp.pad(flat, [(0, 0)] * lead + [(0, n4 - n)])
+    c = max(c for c in range(4, min(256, n4) + 1, 4) if n4 % c == 0)
+    if n4 // c > 256:
+        raise ValueError(f"{n} block scales per expert do not fit one TMA copy of <= 256 rows of <= 256 floats")
+    return flat.reshape(*s.shape[:lead], n4 // c, c)
+
+
+def scale_at(s_s, q):
+    """The scale at flat index q (a traced int32) of an SMEM copy of `scale_rows` [R, C]."""
+    c = s_s.shape[-1]
+    return s_s[0, q] if s_s.shape[0] == 1 else s_s[q // c, q % c]
+
+
 def _silu_clamp(g, u, limit):
     act = g / (1.0 + jnp.exp(-g))
     if limit:
@@ -175,30 +206,34 @@ def _split(programs: int, chunks: int, min_chunks: int, waves: int = 2) -> int:
     return full[0] if full else divs[-1]
 
 
-def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_shared=None, x_scale=None,
+def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, shared=None, x_scale=None,
              fp8_async=False, k_minor=False):
     """Kernel 1 -> act [U, F, MAX_M] bf16 (split == 1), or (split > 1) the partial gate and up
     products [split, U, 2, F, MAX_M] float32 over split ranges of D, summed and SwiGLU'd by the
-    caller (fp8: still to be multiplied by x_scale per token). Rows of padding slots are left
-    unwritten. With ``w_shared`` [D, 2, F] the last slot (u = U - 1) is the shared expert, read
-    from it instead of w_gate_up[uniq[u]].
+    caller (fp8: still to be multiplied by x_scale per token); U = len(uniq) (+ 1 with a shared
+    expert). Rows of padding slots are left unwritten. ``shared`` = (w_shared [D, 2, F], its
+    scale rows or None): one more slot, u = len(uniq), reads it instead of w_gate_up[uniq[u]].
 
     bf16 weights (su_gu None): xp [MAX_M, D] bf16, the tiles go to the WGMMA as they land.
     fp8 weights: xp [MAX_M, D] float16, each token row scaled by a power of two (x_scale [MAX_M]
-    float32 undoes it); su_gu the slots' block scales; each fp8 tile is converted to f16 (exact)
+    float32 undoes it); su_gu every expert's block scales [2, D/128, F/128] as `scale_rows` [E, R,
+    C] (a program copies its expert's to SMEM); each fp8 tile is converted to f16 (exact)
     and multiplied into a fresh accumulator that its block scale then weights (module docstring);
-    with ``fp8_async`` (su_gu pre-multiplied by 2**SCALE_SHIFT) the scale multiplies the f16 tile
+    with ``fp8_async`` the scale times 2**SCALE_SHIFT multiplies the f16 tile
     instead and the WGMMAs run asynchronously. limits: (routed, shared) SwiGLU clamps.
     ``k_minor``: w_gate_up [E, 2, F, D] (w_shared [2, F, D]), D minor: each tile [TF, 128] is the
     WGMMA A operand as it lies (bf16), or (fp8) converted to f16 in registers and multiplied from
-    there (no f16 SMEM tile; su_gu the same [U, 2, F/128, nd+] scales)."""
+    there (no f16 SMEM tile)."""
     if k_minor:
         E, _, F, D = w_gate_up.shape
     else:
         E, D, _, F = w_gate_up.shape
-    U = uniq.shape[0]
-    fp8 = su_gu is not None
+    n_routed = uniq.shape[0]
+    w_shared, s_shared = shared if shared is not None else (None, None)
     shared = w_shared is not None
+    U = n_routed + shared
+    fp8 = su_gu is not None
+    nd, nf = D // BLOCK, F // BLOCK
     x_tf = swizzled(BLOCK, 2)
     w_tf = swizzled(TF, 2)
     kps = D // BLOCK // split                 # D chunks per program
@@ -211,15 +246,18 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
         refs = list(refs)
         wsh_g = refs.pop(0) if shared else None
         if fp8:
-            s_g, xs_g, out_g = refs[:3]
-            wb_s = refs.pop(3) if wb_tile else None
-            s_s, xs_s, o_s, bar = refs[3:]
+            s_g, xs_g = refs.pop(0), refs.pop(0)
+            ssh_g = refs.pop(0) if shared else None
+            out_g = refs.pop(0)
+            wb_s = refs.pop(0) if wb_tile else None
+            s_s, xs_s, o_s, bar = refs
         else:
             out_g, o_s = refs
         u = lax.axis_index("u")
         j = lax.axis_index("f")
         p = lax.axis_index("s")
-        e = uniq_g[u]
+        e = uniq_g[jnp.minimum(u, n_routed - 1)]          # (the shared slot's is not used)
+        jb = (j * TF) // BLOCK                             # the column tile's scale block
         cols = pl.ds(j * TF, TF)
         rows = pl.ds(p * ds, ds)
         x_spec = plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=x_tf)
@@ -239,10 +277,14 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
 
             return pl.run_scoped(scoped, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
 
-        def stream_fp8(sources):
+        def gu_scale(c, k):
+            """The block scale of gate (c = 0) or up (c = 1) for D chunk k of this column tile."""
+            return scale_at(s_s, (c * nd + k) * nf + jb)
+
+        def stream_fp8(sources, s_src):
             """fp8: per chunk, the gate and up tiles as exact f16 WGMMA A operands (an f16 SMEM tile,
             or with k_minor registers), a fresh product each, weighted into the carry by its scale."""
-            plgpu.copy_gmem_to_smem(s_g.at[u, :, (j * TF) // BLOCK], s_s, bar.at[0])
+            plgpu.copy_gmem_to_smem(s_src, s_s, bar.at[0])
             plgpu.barrier_wait(bar.at[0])
 
             def a_tiles(g8_s, u8_s):
@@ -266,7 +308,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
 
                 pg, pu = pl.run_scoped(mma, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
                 k = p * kps + i
-                return carry[0] + pg * s_s[0, k], carry[1] + pu * s_s[1, k]
+                return carry[0] + pg * gu_scale(0, k), carry[1] + pu * gu_scale(1, k)
 
             w_spec = (plgpu.BlockSpec((TF, BLOCK), lambda i: (0, i), transforms=swizzled(BLOCK, 1)) if k_minor
                       else plgpu.BlockSpec((BLOCK, TF), lambda i: (i, 0), transforms=swizzled(TF, 1)))
@@ -275,25 +317,27 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
                                        max_concurrent_steps=stages,
                                        init_carry=(zero, zero))(*sources, x_g.at[:, rows])
 
-        def stream_fp8_async(sources):
-            """Block scales folded into the f16 conversion (su_gu holds scale * 2**SCALE_SHIFT): one
-            accumulator per output, each chunk's WGMMAs left in flight while the next converts
-            (k_minor: the scaled tiles stay in registers as the A operands)."""
-            plgpu.copy_gmem_to_smem(s_g.at[u, :, (j * TF) // BLOCK], s_s, bar.at[0])
+        def stream_fp8_async(sources, s_src):
+            """Block scales folded into the f16 conversion (f16(scale * 2**SCALE_SHIFT), exact powers
+            of two apart): one accumulator per output, each chunk's WGMMAs left in flight while the
+            next converts (k_minor: the scaled tiles stay in registers as the A operands)."""
+            plgpu.copy_gmem_to_smem(s_src, s_s, bar.at[0])
             plgpu.barrier_wait(bar.at[0])
+
+            def scale16(c, k):
+                return (gu_scale(c, k) * 2.0 ** SCALE_SHIFT).astype(_F16)
 
             def scoped(acc_g, acc_u):
                 def step(idxs, g8_s, u8_s, x_s):
                     (i,) = idxs
                     k = p * kps + i
                     if k_minor:
-                        a = [a_regs(src) * s_s[c, k].astype(_F16) for c, src in enumerate((g8_s, u8_s))]
+                        a = [a_regs(src) * scale16(c, k) for c, src in enumerate((g8_s, u8_s))]
                         if interpret:                # its SMEM staging tiles are reused below
                             plgpu.wgmma_wait(0)
                         a = [a_operand(a[c], None if wb_s is None else wb_s.at[c], interpret) for c in range(2)]
                     else:
-                        vs = [load_fp8(src).astype(_F16) * s_s[c, k].astype(_F16)
-                              for c, src in enumerate((g8_s, u8_s))]
+                        vs = [load_fp8(src).astype(_F16) * scale16(c, k) for c, src in enumerate((g8_s, u8_s))]
                         plgpu.wgmma_wait(0)          # the previous chunk's WGMMAs have read wb_s
                         for c in range(2):
                             wb_s.at[c][...] = vs[c]
@@ -315,10 +359,11 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
 
             return pl.run_scoped(scoped, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
 
-        def expert(sources, limit):
-            """Stream one expert's gate / up columns (sources: their two [ds, TF] GMEM views)."""
+        def expert(sources, s_src, limit):
+            """Stream one expert's gate / up columns (sources: their two [ds, TF] GMEM views; s_src:
+            its scale rows in GMEM, fp8)."""
             if fp8:
-                res = (stream_fp8_async if fp8_async else stream_fp8)(sources)
+                res = (stream_fp8_async if fp8_async else stream_fp8)(sources, s_src)
             else:
                 res = stream_bf16(sources)
             if split == 1:
@@ -340,15 +385,19 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
         if fp8 and split == 1:
             plgpu.copy_gmem_to_smem(xs_g, xs_s, bar.at[1])
             plgpu.barrier_wait(bar.at[1])
-        routed = (e >= 0) & (u < U - 1) if shared else e >= 0
+        routed = (e >= 0) & (u < n_routed) if shared else e >= 0
+        s_e = (lambda: s_g.at[e]) if fp8 else (lambda: None)          # (views made inside pl.when)
+        s_sh = ssh_g if fp8 and shared else None
         if k_minor:
-            pl.when(routed)(lambda: expert((w_g.at[e, 0, cols, rows], w_g.at[e, 1, cols, rows]), limits[0]))
+            pl.when(routed)(lambda: expert((w_g.at[e, 0, cols, rows], w_g.at[e, 1, cols, rows]), s_e(), limits[0]))
             if shared:
-                pl.when(u == U - 1)(lambda: expert((wsh_g.at[0, cols, rows], wsh_g.at[1, cols, rows]), limits[1]))
+                pl.when(u == n_routed)(lambda: expert((wsh_g.at[0, cols, rows], wsh_g.at[1, cols, rows]), s_sh,
+                                                      limits[1]))
         else:
-            pl.when(routed)(lambda: expert((w_g.at[e, rows, 0, cols], w_g.at[e, rows, 1, cols]), limits[0]))
+            pl.when(routed)(lambda: expert((w_g.at[e, rows, 0, cols], w_g.at[e, rows, 1, cols]), s_e(), limits[0]))
             if shared:
-                pl.when(u == U - 1)(lambda: expert((wsh_g.at[rows, 0, cols], wsh_g.at[rows, 1, cols]), limits[1]))
+                pl.when(u == n_routed)(lambda: expert((wsh_g.at[rows, 0, cols], wsh_g.at[rows, 1, cols]), s_sh,
+                                                      limits[1]))
 
     if split == 1:
         out_tile = plgpu.SMEM((TF, MAX_M), _BF)
@@ -359,7 +408,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
     tile = (plgpu.SMEM((2, TF, BLOCK), _F16, transforms=swizzled(BLOCK, 2)) if k_minor     # (interpret)
             else plgpu.SMEM((2, BLOCK, TF), _F16, transforms=w_tf))                         # f16 gate / up chunk
     scratch = (*((tile,) if wb_tile else ()),
-               plgpu.SMEM((2, su_gu.shape[-1]), _F32),                  # this column block's scales
+               plgpu.SMEM(su_gu.shape[1:], _F32),                       # the expert's scales
                plgpu.SMEM((MAX_M,), _F32),                              # the tokens' x scales
                out_tile, plgpu.Barrier(num_barriers=2)) if fp8 else (out_tile,)
     kernel = plgpu.kernel(
@@ -371,25 +420,31 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, w_sha
         interpret=interpret if interpret else None,
     )
     return kernel(uniq, xp, w_gate_up, *((w_shared,) if shared else ()),
-                  *((su_gu, x_scale) if fp8 else ()))
+                  *((su_gu, x_scale) if fp8 else ()), *((s_shared,) if fp8 and shared else ()))
 
 
-def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp8_async=False, k_minor=False):
-    """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [split, U, D, MAX_M] float32, the unweighted
-    per-expert outputs over split ranges of F (zeros for padding slots; the caller sums the
-    splits). su_d: scales (fp8 weights) or None (bf16 weights). With ``w_shared`` [F, D] the last
-    slot is the shared expert. ``fp8_async``: each chunk's WGMMA is left in flight while the next
-    chunk dequantises (the same bf16 tile values). ``k_minor``: w_down [E, D, F] (w_shared [D, F]),
-    su_d [U, D/128, F/128 (+pad)]; programs own TD_K_MINOR rows of D and (fp8) dequantise each
-    [TD_K_MINOR, 128] tile in registers as the WGMMA A operand (no bf16 SMEM tile)."""
+def _down(uniq, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8_async=False, k_minor=False):
+    """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [split, U, D, MAX_M], the unweighted per-expert
+    outputs over split ranges of F (zeros for padding slots; the caller sums the splits): bfloat16
+    when split == 1 (each expert's output rounded once, as the reference's bf16 einsum does; half
+    the bytes for the combine to read), float32 partial sums otherwise; U = len(uniq) (+ 1 with a shared expert). su_d: every expert's block scales [F/128,
+    D/128] as `scale_rows` [E, R, C] (fp8 weights) or None (bf16 weights). ``shared`` = (w_shared
+    [F, D], its scale rows or None): one more slot, u = len(uniq). ``fp8_async``: each chunk's
+    WGMMA is left in flight while the next chunk dequantises (the same bf16 tile values).
+    ``k_minor``: w_down [E, D, F] (w_shared [D, F]); programs own TD_K_MINOR rows of D and (fp8)
+    dequantise each [TD_K_MINOR, 128] tile in registers as the WGMMA A operand (no bf16 SMEM tile)."""
     if k_minor:
         E, D, F = w_down.shape
     else:
         E, F, D = w_down.shape
     td = TD_K_MINOR if k_minor else TD
-    U = uniq.shape[0]
-    fp8 = su_d is not None
+    n_routed = uniq.shape[0]
+    w_shared, s_shared = shared if shared is not None else (None, None)
     shared = w_shared is not None
+    U = n_routed + shared
+    nd = D // BLOCK
+    fp8 = su_d is not None
+    out_dtype = _BF if split == 1 else _F32
     a_tf = swizzled(BLOCK, 2)
     w_tf = swizzled(td, 2)
     kps = F // BLOCK // split                 # F chunks per program
@@ -400,22 +455,30 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp
         refs = list(refs)
         wsh_g = refs.pop(0) if shared else None
         if fp8:
-            s_g, y_g = refs[:2]
-            wb_s = refs.pop(2) if wb_tile else None
-            s_s, o_s, bar = refs[2:]
+            s_g = refs.pop(0)
+            ssh_g = refs.pop(0) if shared else None
+            y_g = refs.pop(0)
+            wb_s = refs.pop(0) if wb_tile else None
+            s_s, o_s, bar = refs
         else:
             y_g, o_s = refs
         u = lax.axis_index("u")
         j = lax.axis_index("d")
         p = lax.axis_index("s")
-        e = uniq_g[u]
+        e = uniq_g[jnp.minimum(u, n_routed - 1)]          # (the shared slot's is not used)
+        db = (j * td) // BLOCK                             # the row tile's scale block
         cols = pl.ds(j * td, td)
         rows = pl.ds(p * fs, fs)
 
-        def expert(source):
-            """Stream one expert's [fs, td] block of w_down ([td, fs] if k_minor; its GMEM view)."""
+        def down_scale(i):
+            """The block scale of this program's F chunk i."""
+            return scale_at(s_s, (p * kps + i) * nd + db)
+
+        def expert(source, s_src):
+            """Stream one expert's [fs, td] block of w_down ([td, fs] if k_minor; its GMEM view;
+            s_src: its scale rows in GMEM, fp8)."""
             if fp8:
-                plgpu.copy_gmem_to_smem(s_g.at[u], s_s, bar.at[0])
+                plgpu.copy_gmem_to_smem(s_src, s_s, bar.at[0])
                 plgpu.barrier_wait(bar.at[0])
 
             def scoped(acc):
@@ -423,7 +486,7 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp
                     (i,) = idxs
                     if k_minor:
                         if fp8:      # dequantised in registers: the A operand from there
-                            a = a_regs(w_s, s_s[(j * td) // BLOCK, p * kps + i], _BF)
+                            a = a_regs(w_s, down_scale(i), _BF)
                             if fp8_async and interpret:      # its SMEM staging tile is reused
                                 plgpu.wgmma_wait(0)
                             w_s = a_operand(a, wb_s, interpret)
@@ -433,7 +496,7 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp
                         return
                     if fp8:      # dequantise the fp8 chunk into the swizzled bf16 tile
                         v = load_fp8(w_s)                                 # swizzled fp8 tile
-                        v = (v.astype(_F32) * s_s[p * kps + i, (j * td) // BLOCK]).astype(_BF)
+                        v = (v.astype(_F32) * down_scale(i)).astype(_BF)
                         if fp8_async:
                             plgpu.wgmma_wait(0)      # the previous chunk's WGMMA has read wb_s
                         store(wb_s, v)
@@ -460,47 +523,44 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, w_shared=None, fp
                 return acc[...]
 
             y = pl.run_scoped(scoped, plgpu.ACC((td, MAX_M), _F32))
-            store(o_s, y)
+            store(o_s, y.astype(out_dtype))
 
-        routed = (e >= 0) & (u < U - 1) if shared else e >= 0
+        routed = (e >= 0) & (u < n_routed) if shared else e >= 0
+        s_e = (lambda: s_g.at[e]) if fp8 else (lambda: None)          # (views made inside pl.when)
+        s_sh = ssh_g if fp8 and shared else None
         if k_minor:
-            pl.when(routed)(lambda: expert(w_g.at[e, cols, rows]))
+            pl.when(routed)(lambda: expert(w_g.at[e, cols, rows], s_e()))
             if shared:
-                pl.when(u == U - 1)(lambda: expert(wsh_g.at[cols, rows]))
+                pl.when(u == n_routed)(lambda: expert(wsh_g.at[cols, rows], s_sh))
         else:
-            pl.when(routed)(lambda: expert(w_g.at[e, rows, cols]))
+            pl.when(routed)(lambda: expert(w_g.at[e, rows, cols], s_e()))
             if shared:
-                pl.when(u == U - 1)(lambda: expert(wsh_g.at[rows, cols]))
+                pl.when(u == n_routed)(lambda: expert(wsh_g.at[rows, cols], s_sh))
 
-        @pl.when(e < 0)                      # padding slot: reads nothing, writes zeros
+        @pl.when((e < 0) & (u < n_routed) if shared else e < 0)     # padding slot: reads nothing, writes zeros
         def _():
-            store(o_s, plgpu.layout_cast(jnp.zeros((td, MAX_M), _F32), _WG))
+            store(o_s, plgpu.layout_cast(jnp.zeros((td, MAX_M), out_dtype), _WG))
 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s, y_g.at[p, u, cols])
         plgpu.wait_smem_to_gmem(0)
 
-    out_tile = plgpu.SMEM((td, MAX_M), _F32)
+    out_tile = plgpu.SMEM((td, MAX_M), out_dtype)
     tile = (plgpu.SMEM((td, BLOCK), _BF, transforms=swizzled(BLOCK, 2)) if k_minor     # (interpret)
             else plgpu.SMEM((BLOCK, td), _BF, transforms=w_tf))                        # dequantised down chunk
     scratch = (*((tile,) if wb_tile else ()),
-               plgpu.SMEM(su_d.shape[1:], _F32),                        # this expert's scales
+               plgpu.SMEM(su_d.shape[1:], _F32),                        # the expert's scales
                out_tile, plgpu.Barrier(num_barriers=1)) if fp8 else (out_tile,)
     kernel = plgpu.kernel(
         moe_down,
-        out_type=jax.ShapeDtypeStruct((split, U, D, MAX_M), _F32),
+        out_type=jax.ShapeDtypeStruct((split, U, D, MAX_M), out_dtype),
         scratch_types=scratch,
         grid=(U, D // td, split),
         grid_names=("u", "d", "s"),
         interpret=interpret if interpret else None,
     )
-    return kernel(uniq, act_t, w_down, *((w_shared,) if shared else ()), *((su_d,) if fp8 else ()))
-
-
-def _pad_minor(a, mult):
-    """Zero-pad the last axis to a multiple of `mult` (TMA rows need multiples of 16 bytes)."""
-    pad = -a.shape[-1] % mult
-    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]) if pad else a
+    return kernel(uniq, act_t, w_down, *((w_shared,) if shared else ()), *((su_d,) if fp8 else ()),
+                  *((s_shared,) if fp8 and shared else ()))
 
 
 def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit=None, *,
@@ -587,9 +647,8 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
                          f"F/128={nf}")
 
     uniq, wu = dedupe_experts(idx, w, E)                                # [U], [U, M]
-    if shared is not None:   # the last slot: the shared expert (id 0: only "not padding"), weight 1
-        uniq = jnp.concatenate([uniq, jnp.zeros((1,), jnp.int32)])
-        wu = jnp.concatenate([wu, jnp.ones((1, M), _F32)])
+    if shared is not None:   # the kernels' last slot (not in uniq): the shared expert, weight 1
+        wu = jnp.concatenate([wu, jnp.ones((1, M), _F32)])              # (fused into the combine)
     x_scale = None
     if fp8:          # kernel 1 multiplies f16 tokens, each row scaled into f16's range
         xp, ex = f16_rows(x, MAX_M)
@@ -598,20 +657,14 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     else:
         xp = jnp.zeros((MAX_M, D), _BF).at[:M].set(x.astype(_BF))
     su_gu = su_d = None
-    if fp8:          # the slots' scales, D/128 axis minor, padded to 16 bytes
-        safe = jnp.maximum(uniq, 0)
-        if shared is None:
-            gs, ds_ = gu_scale[safe].astype(_F32), down_scale[safe].astype(_F32)
-        else:            # concatenated, not .at[-1].set: an update in place costs XLA a buffer copy
-            gs = jnp.concatenate([gu_scale[safe[:-1]], sh_gu_scale[None]]).astype(_F32)
-            ds_ = jnp.concatenate([down_scale[safe[:-1]], sh_d_scale[None]]).astype(_F32)
-        if fp8_async:    # kernel 1 multiplies the f16 weights by f16(scale * 2**SHIFT)
-            gs = gs * 2.0 ** SCALE_SHIFT
-        su_gu = _pad_minor(jnp.swapaxes(gs, -1, -2), 4)                  # [U, 2, F/128, nd+]
-        su_d = _pad_minor(jnp.swapaxes(ds_, -1, -2) if k_minor else ds_, 4)   # [U, F/128, nd+] ([U, nd, F/128+])
+    sh1 = sh2 = None
+    if fp8:          # every expert's scales, copied to SMEM by the programs that read the expert
+        su_gu, su_d = scale_rows(gu_scale, 1), scale_rows(down_scale, 1)     # [E, R, C]
+    if shared is not None:
+        sh1 = (sh_gu, scale_rows(sh_gu_scale, 0) if fp8 else None)
+        sh2 = (sh_d, scale_rows(sh_d_scale, 0) if fp8 else None)
     limits = (limit, limit if shared is None else sh_limit)
-    w_sh = (None, None) if shared is None else (sh_gu, sh_d)
-    act = _gate_up(uniq, xp, w_gate_up, su_gu, limits, split_d, stages, interpret, w_sh[0], x_scale, fp8_async,
+    act = _gate_up(uniq, xp, w_gate_up, su_gu, limits, split_d, stages, interpret, sh1, x_scale, fp8_async,
                    k_minor)
     if split_d > 1:     # [split, U, 2, F, MAX_M] partial sums -> SwiGLU in XLA (one fusion with the transpose)
         gu = act.sum(0) if x_scale is None else act.sum(0) * x_scale
@@ -619,9 +672,9 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
         if limits[1] != limits[0]:
             act = jnp.concatenate([act[:-1], _silu_clamp(gu[-1:, 0], gu[-1:, 1], limits[1])])
         act = act.astype(_BF)
-    yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, split_f, stages, interpret, w_sh[1],
+    yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, split_f, stages, interpret, sh2,
                fp8_async, k_minor)                                              # [split, U, D, MAX_M]
-    return jnp.einsum("sudm,um->md", yu[..., :M], wu).astype(x.dtype)
+    return jnp.einsum("sudm,um->md", yu[..., :M].astype(_F32), wu).astype(x.dtype)
 
 
 def moe_split(U: int, D: int, F: int, k_minor: bool = False) -> tuple[int, int]:

@@ -573,7 +573,9 @@ def test_gpu_k_minor_ling_shape(M, kind):
     out = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared_k, k_minor=True))(
         x, idx, w, *_k_minor(*routed))
     base = jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared))(x, idx, w, *routed)
-    _check(out, base, 1e-3)
+    # one bf16 ulp apart at most: each expert's output is rounded to bf16 (F not split) or summed in
+    # float32 first (the K-major kernel splits F for one token), and the accumulation orders differ
+    _check(out, base, 1e-2)
     _check(out, ref, 2e-2)
 
 
