@@ -427,10 +427,11 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8_
     """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [split, U, D, MAX_M], the unweighted per-expert
     outputs over split ranges of F (zeros for padding slots; the caller sums the splits): bfloat16
     when split == 1 (each expert's output rounded once, as the reference's bf16 einsum does; half
-    the bytes for the combine to read), float32 partial sums otherwise; U = len(uniq) (+ 1 with a shared expert). su_d: every expert's block scales [F/128,
-    D/128] as `scale_rows` [E, R, C] (fp8 weights) or None (bf16 weights). ``shared`` = (w_shared
-    [F, D], its scale rows or None): one more slot, u = len(uniq). ``fp8_async``: each chunk's
-    WGMMA is left in flight while the next chunk dequantises (the same bf16 tile values).
+    the bytes for the combine to read), float32 partial sums otherwise; U = len(uniq) (+ 1 with a
+    shared expert). su_d: every expert's block scales [F/128, D/128] as `scale_rows` [E, R, C]
+    (fp8 weights) or None (bf16 weights). ``shared`` = (w_shared [F, D], its scale rows or None):
+    one more slot, u = len(uniq). ``fp8_async``: each chunk's WGMMA is left in flight while the
+    next chunk dequantises (the same bf16 tile values).
     ``k_minor``: w_down [E, D, F] (w_shared [D, F]); programs own TD_K_MINOR rows of D and (fp8)
     dequantise each [TD_K_MINOR, 128] tile in registers as the WGMMA A operand (no bf16 SMEM tile)."""
     if k_minor:

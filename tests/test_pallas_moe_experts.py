@@ -23,7 +23,8 @@ from helpers import interpret_only  # noqa: E402
 from lingjax.ops.moe import experts_gather  # noqa: E402
 from lingjax.param_layout import Matrix  # noqa: E402
 from lingjax.quant import FP8, Fp8Weight  # noqa: E402
-from pallas_kernels.moe_experts import dedupe_experts, moe_experts_pallas, moe_split, weight_bytes  # noqa: E402
+from pallas_kernels.moe_experts import (dedupe_experts, moe_experts_pallas, moe_split, scale_at,  # noqa: E402
+                                        scale_rows, weight_bytes)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)  # jax 0.12: races raise (on_race="raise")
@@ -137,6 +138,28 @@ def test_dedupe_skips_zero_weight_slots():
     uniq, wu = dedupe_experts(idx, jnp.zeros_like(w), 16)          # nothing to run at all
     np.testing.assert_array_equal(np.asarray(uniq), [-1] * 6)
     assert not np.asarray(wu).any()
+
+
+@pytest.mark.parametrize("shape,rows", [((3, 2, 20, 6), (1, 240)),     # Ling-3.0 gate/up: a free reshape
+                                        ((3, 6, 20), (1, 120)),        # Ling-3.0 down
+                                        ((3, 2, 3, 5), (1, 32)),       # 30 -> zero-padded to 32
+                                        ((3, 7, 80), (4, 140))])       # 560 floats: 4 rows of 140
+def test_scale_rows_index_like_the_stored_scales(shape, rows):
+    """scale_rows keeps each expert's scales in row-major order (scale_at(q) is the q-th of the
+    expert's stored [.., IN, OUT] blocks), in rows of a multiple of 4 floats, <= 256 per row."""
+    s = jax.random.uniform(jax.random.PRNGKey(0), shape, F32)
+    r = scale_rows(s, 1)
+    assert r.shape == (shape[0], *rows) and r.dtype == F32
+    flat = np.asarray(s).reshape(shape[0], -1)
+    for e in range(shape[0]):
+        got = [float(scale_at(r[e], jnp.int32(q))) for q in range(flat.shape[1])]
+        np.testing.assert_array_equal(got, flat[e])
+    assert scale_rows(s[0], 0).shape == rows                     # the shared expert's own array
+
+
+def test_scale_rows_refuses_more_than_one_tma_copy():
+    with pytest.raises(ValueError, match="one TMA copy"):
+        scale_rows(jnp.zeros((2, 4 * 257), F32), 1)             # 257 rows of 4 floats
 
 
 def test_dedupe_single_token_keeps_slot_order():
