@@ -80,19 +80,22 @@ def fusion_summary(hlo_text: str) -> dict[str, str]:
 
 
 def kernel_table(trace_dir: str, hlo_text: str, calls: int) -> list[dict]:
-    """Kernels of the traced loop grouped by HLO instruction: [{hlo_op, kernel, us_per_call,
-    count_per_call, what}] (most time first); `calls` = layer calls traced."""
+    """Kernels of the traced loop grouped by kernel name (the loop unrolls several layer calls, whose
+    copies of a fusion share its kernel name): [{kernel, hlo_ops, us_per_call, count_per_call,
+    what}] (most time first; `what` from the first HLO instruction); `calls` = layer calls traced."""
     from bench.profile_breakdown import kernel_events, load_events
     _, events = load_events(trace_dir)
     kernels, _, _ = kernel_events(events)
     summary = fusion_summary(hlo_text)
-    acc: dict[tuple, list] = collections.defaultdict(lambda: [0.0, 0])
+    acc: dict[str, list] = collections.defaultdict(lambda: [0.0, 0, []])
     for e in kernels:
-        key = (str(e.args.get("hlo_op", "?")), e.name)
-        acc[key][0] += e.dur
-        acc[key][1] += 1
-    rows = [{"hlo_op": op, "kernel": k, "us_per_call": t / calls, "count_per_call": n / calls,
-             "what": summary.get(op, "")} for (op, k), (t, n) in acc.items()]
+        op = str(e.args.get("hlo_op", "?"))
+        acc[e.name][0] += e.dur
+        acc[e.name][1] += 1
+        if op not in acc[e.name][2]:
+            acc[e.name][2].append(op)
+    rows = [{"kernel": k, "hlo_ops": ops, "us_per_call": t / calls, "count_per_call": n / calls,
+             "what": summary.get(ops[0], "")} for k, (t, n, ops) in acc.items()]
     return sorted(rows, key=lambda r: -r["us_per_call"])
 
 
@@ -160,8 +163,8 @@ def main(argv=None) -> dict:
                 n = sum(r["count_per_call"] for r in row["kernels"])
                 print(f"  {n:.0f} kernels, {tot:.1f} us of kernel time per call:")
                 for r in row["kernels"]:
-                    print(f"  {r['us_per_call']:7.2f} us x{r['count_per_call']:.0f}  {r['kernel'][:34]:34s} "
-                          f"{r['hlo_op'][:28]:28s} {r['what']}")
+                    print(f"  {r['us_per_call']:7.2f} us x{r['count_per_call']:<5.2f} {r['kernel'][:34]:34s} "
+                          f"{r['what']}")
             rows.append(row)
     rec = {"bench": "moe_layer_timing", "dtype": a.dtype, "layers": a.layers, "bias_std": a.bias_std,
            "dense_kernel": a.dense_kernel, "iters": a.iters, "preset": "ling3-tiny" if a.tiny else "ling3-flash",
