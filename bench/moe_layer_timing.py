@@ -3,7 +3,7 @@ time goes: the expert kernels against the XLA work around them.
 
     python -m bench.moe_layer_timing --M 1,9                      # on the H200
     python -m bench.moe_layer_timing --M 1,9 --profile /tmp/moe   # + a kernel-by-kernel table
-    python -m bench.moe_layer_timing --tiny --M 1 --iters 2       # any host (smoke run, not a timing)
+    python -m bench.moe_layer_timing --tiny --M 1 --iters 1 --moe-kernel xla   # any host (smoke run)
 
 Builds `lingjax.model.mlp.MoE` layers with random weights (fp8 128 x 128 blocks by default, as the
 full-depth benchmark runs them; expert_bias drawn with --bias-std so that routing spreads), sets
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import re
 from pathlib import Path
 
@@ -110,7 +111,6 @@ def main(argv=None) -> dict:
         xla_env.configure()
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from bench.common import loop_overhead, save_result, time_in_loop
@@ -143,13 +143,13 @@ def main(argv=None) -> dict:
         def f(x, st, graphdef=graphdef):
             return nnx.merge(graphdef, st)(x)
 
-        ctx = kernel_ctx.pallas_interpret if not on_gpu and kernel == "pallas" else None
+        ctx = kernel_ctx.pallas_interpret if not on_gpu and kernel == "pallas" else contextlib.nullcontext
         for M in ms:
             xs = [jax.random.normal(jax.random.PRNGKey(a.seed + 7 * M + i), (1, M, cfg.hidden_size),
                                     jnp.float32).astype(jnp.bfloat16) for i in range(a.layers)]
             sets = [(x, st) for x, st in zip(xs, states)]
             kw = {} if on_gpu else {"per_iter": 1, "repeats": 1}
-            with ctx() if ctx else _null():
+            with ctx():
                 overhead = loop_overhead(sets, a.iters, **kw)
                 t = time_in_loop(f, sets, a.iters, **kw)
             row = {"moe_kernel": kernel, "M": M, "layer_us": (t - overhead) * 1e6, "raw_us": t * 1e6,
@@ -179,7 +179,7 @@ def _profile(f, sets, a, d: Path, ctx, kw) -> list[dict]:
 
     from bench.common import loop_program
     run, n_calls = loop_program(f, len(sets), a.iters, kw.get("per_iter", 8))
-    with ctx() if ctx else _null():
+    with ctx():
         # without command buffers: kernels inside a CUDA graph are mostly missing from device traces
         opts = {"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu" else {}
         compiled = run.lower(sets).compile(compiler_options=opts)
@@ -187,14 +187,6 @@ def _profile(f, sets, a, d: Path, ctx, kw) -> list[dict]:
         with jax.profiler.trace(str(d)):
             jax.block_until_ready(compiled(sets))
     return kernel_table(str(d), compiled.as_text(), a.iters * n_calls)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":
