@@ -78,12 +78,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["MAX_T", "kda_recurrent_pallas", "kda_state_after_prefix_pallas"]
+__all__ = ["MAX_T", "kda_recurrent_pallas", "kda_state_after_prefix_pallas", "pick_block_v"]
 
 MAX_T = 16  # tokens per call: a decode step or a speculative verify block
 
 
-def _pick_block_v(V: int, block_v: int | None) -> int:
+def pick_block_v(V: int, block_v: int | None) -> int:
+    """block_v as given (checked), or the default: 32 columns of the state per program when V allows."""
     if block_v is not None:
         if V % block_v or block_v % 8:
             raise ValueError(f"block_v={block_v} must divide V={V} and be a multiple of 8")
@@ -108,7 +109,7 @@ def kda_recurrent_pallas(q, k, v, g, beta, state, scale=None, *, block_v=None, i
         raise ValueError(f"K={K} must be a multiple of 64 (WGMMA row tiling)")
     if state.shape != (B, H, K, V):
         raise ValueError(f"state shape {state.shape} != {(B, H, K, V)}")
-    bv_ = _pick_block_v(V, block_v)
+    bv_ = pick_block_v(V, block_v)
     nv = V // bv_
     scale = float(K ** -0.5 if scale is None else scale)
 

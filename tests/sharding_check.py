@@ -401,29 +401,29 @@ def fp8():
 
 # ---- the Pallas KDA kernel on a mesh ------------------------------------------------------------
 def _kda_reference_kernels():
-    """XLA stand-ins with the signatures of the two pallas_kernels.kda_decode entry points: the
-    Mosaic GPU interpreter cannot run one kernel on several devices at once (its end-of-kernel
-    barrier check sees the other devices' barriers), so on CPU the shard_map split around the kernel
-    is checked with these, and the real kernel only by cross-lowering it for CUDA."""
+    """XLA stand-ins for the three fused-step entry points of lingjax.model.kda (decode, verify,
+    commit: pallas_kernels.kda_step_fused with its write flags): the Mosaic GPU interpreter cannot
+    run one kernel on several devices at once (its end-of-kernel barrier check sees the other
+    devices' barriers), so on CPU the shard_map split around the kernel is checked with these, and
+    the real kernel only by cross-lowering it for CUDA."""
     from lingjax.ops import kda as kda_ops
     shapes = []
 
-    def recurrent(q, k, v, g, beta, state, scale=None, *, interpret=False):
-        shapes.append(list(q.shape))
-        return kda_ops.kda_chunked(q, k, v, g, beta, state)
+    def step(*args, interpret=False, **settings):
+        shapes.append(list(args[0].shape))          # proj [B, T, 5, H, K]
+        return kda_ops.kda_fused_step(*args, **settings)
 
-    def after_prefix(state, k, v, g, beta, n, *, interpret=False):
-        return kda_ops.kda_state_after_prefix(state, k, v, g, beta, n)
-    return recurrent, after_prefix, shapes
+    return dict(_fused_decode=step, _fused_verify=lambda *a, **kw: step(*a, **kw)[0],
+                _fused_commit=lambda *a, **kw: step(*a, **kw)[1]), shapes
 
 
 def kda_kernel():
     """kda_kernel='pallas' on meshes 2x1, 1x2, 2x2 (float32 golden pair): greedy tokens with the
     kernel split per device (shard_map over heads) vs the XLA kernel on one device; the heads each
     kernel call sees; the sharded loop cross-lowered for CUDA with the real kernel."""
+    from lingjax.model import kda as kda_module
     from lingjax.model.kda import set_kda_kernel
     from lingjax.model.kernels import pallas_cross_lowering, pallas_interpret
-    from pallas_kernels import kda_decode
 
     def pair(kernel, mesh):
         model = load_hf_model(LING_TINY, dtype=jnp.float32)
@@ -434,21 +434,23 @@ def kda_kernel():
             sharding.shard_model(draft, mesh)
         return model, draft
     out = dict(ref={m: spec_tokens(*pair("xla", None), m)[0] for m in ("none", "dspark")}, meshes={})
-    real = kda_decode.kda_recurrent_pallas, kda_decode.kda_state_after_prefix_pallas
+    real = {name: getattr(kda_module, name) for name in ("_fused_decode", "_fused_verify", "_fused_commit")}
     for (tp, ep), methods in (((2, 1), ("dspark",)), ((1, 2), ("dspark",)), ((2, 2), ("none", "dspark"))):
         mesh = sharding.make_mesh(tp, ep, jax.devices()[: tp * ep])
         r = out["meshes"][f"{tp}x{ep}"] = {}
         for m in methods:
-            recurrent, after_prefix, shapes = _kda_reference_kernels()
-            kda_decode.kda_recurrent_pallas, kda_decode.kda_state_after_prefix_pallas = recurrent, after_prefix
+            stand_ins, shapes = _kda_reference_kernels()
+            for name, fn in stand_ins.items():
+                setattr(kda_module, name, fn)
             model, draft = pair("pallas", mesh)
             try:
                 with pallas_interpret():
                     toks, state, prefilled, hlo = spec_tokens(model, draft, m)
             finally:
-                kda_decode.kda_recurrent_pallas, kda_decode.kda_state_after_prefix_pallas = real
+                for name, fn in real.items():
+                    setattr(kda_module, name, fn)
             rep = collective_report(hlo, model, tokens=9 if m == "dspark" else 1)
-            r[m] = dict(tokens=toks, equal=toks == out["ref"][m], call_heads=sorted({s[2] for s in shapes}),
+            r[m] = dict(tokens=toks, equal=toks == out["ref"][m], call_heads=sorted({s[3] for s in shapes}),
                         kda=rep["scopes"].get("kda", dict(n=0)), kda_blocks=rep["blocks"]["kda"],
                         state_bad=state_mismatches(state, mesh, model.cfg))
         if (tp, ep) == (2, 2):

@@ -23,7 +23,7 @@ from lingjax.cache import KDAState, init_cache
 from lingjax.engine import Engine
 from lingjax.generate import build_parser
 from lingjax.loader import LoadError, load_engine
-from lingjax.model.kda import KDA, KDAPending, KDAPendingPallas, set_kda_kernel
+from lingjax.model.kda import KDA, KDAPending, KDAPendingFused, set_kda_kernel
 from lingjax.model.ling import LingModel, commit
 from lingjax.spec_decode import SpecConfig
 
@@ -183,7 +183,7 @@ def test_verify_and_commit_match():
     x, p = runs()
     assert rel(p["verify"], x["verify"]) <= TOL
     kinds = [type(q) for q in p["pending"] if q is not None]
-    assert kinds and all(k is KDAPendingPallas for k in kinds)
+    assert kinds and all(k is KDAPendingFused for k in kinds)
     assert all(type(q) is KDAPending for q in x["pending"] if q is not None)
     assert p["pos"] == x["pos"] == PROMPT + 2
     for sp, sx in zip(p["states"], x["states"], strict=True):

@@ -6,8 +6,9 @@ the accumulation dtype whatever the cache stores (bf16 with ApproxModes.bf16_kda
 The recurrence runs on one of two kernels (``kda_kernel``, XLA by default):
   "xla"    lingjax.ops.kda everywhere: kda_step (decode), kda_chunked (prefill / verify),
            kda_state_after_prefix (commit).
-  "pallas" the fused Mosaic GPU kernel (pallas_kernels/kda_decode.py) for decode (T = 1), for the
-           outputs of a pending verify block (T <= 16) and for its commit (replay with g = 0,
+  "pallas" the fused Mosaic GPU step (pallas_kernels/kda_step_fused.py: conv, SiLU, L2 norms,
+           gate and the recurrence in one launch per layer) for decode (T = 1), for the outputs of a
+           pending verify block (T <= 16) and for its commit (a replay of the block with g = 0,
            beta = 0 past the accepted prefix: exact identity updates in the kernel); and the
            chunked prefill kernel (pallas_kernels/kda_prefill.py) for every other T > 1 forward
            (prefill chunks) of a bfloat16 model with the safe gate (g >= -9 per token, which its
@@ -25,6 +26,7 @@ The projections w_in and w_out follow the separate ``dense_kernel`` switch (ling
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -38,7 +40,8 @@ from lingjax.config import LingConfig
 from lingjax.model import dense, kernels
 from lingjax.model.common import acc_dtype, param, rms_norm
 from lingjax.ops import kda as kda_ops
-from pallas_kernels import kda_decode, kda_prefill
+from lingjax.ops.kda import causal_conv
+from pallas_kernels import kda_prefill, kda_step_fused
 
 KDA_KERNELS = ("xla", "pallas")
 
@@ -53,10 +56,37 @@ class KDAPending(NamedTuple):
     conv_in: jax.Array   # [B, ks-1+T, 3, H, K] conv window followed by the block's projected inputs
 
 
-class KDAPendingPallas(KDAPending):
-    """A KDAPending whose commit replays the accepted prefix through the Pallas kernel (the type,
-    kept through jit as the pytree node type, carries the choice to `commit_prefix`)."""
-    __slots__ = ()
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("start", "proj", "beta", "conv_w", "A_log", "dt_bias"),
+                   meta_fields=("safe_gate", "lower_bound"))
+@dataclasses.dataclass(frozen=True)
+class KDAPendingFused:
+    """What committing an accepted prefix through the fused Pallas step needs: the block's inputs and
+    the layer's gate / conv parameters, so the commit replays the block (tokens past the prefix are
+    identity updates) from the start state."""
+    start: KDAState      # state and conv window before the block
+    proj: jax.Array      # [B, T, 5, H, K] the block's input projection
+    beta: jax.Array      # [B, T, H]
+    conv_w: jax.Array    # [ks, 3, H, K]
+    A_log: jax.Array     # [H]
+    dt_bias: jax.Array   # [H, K]
+    safe_gate: bool
+    lower_bound: float
+
+
+def _fused_decode(*args, **settings):
+    """(o, state) of a decode step (pallas_kernels.kda_step_fused)."""
+    return kda_step_fused.kda_fused_step_pallas(*args, **settings)
+
+
+def _fused_verify(*args, **settings):
+    """o of a pending verify block; its final state is never used, so it is not written."""
+    return kda_step_fused.kda_fused_step_pallas(*args, write_state=False, **settings)[0]
+
+
+def _fused_commit(*args, **settings):
+    """The state after the accepted prefix of a verified block; its outputs are not written."""
+    return kda_step_fused.kda_fused_step_pallas(*args, write_o=False, **settings)[1]
 
 
 def check_kda_kernel(kernel: str, cfg: LingConfig | None = None, dtype=None) -> str:
@@ -82,12 +112,12 @@ def set_kda_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
     return model
 
 
-def _pallas(fn, *args, head_axes, out_head_axes):
-    """Call a kda_decode kernel: compiled on a GPU, interpreted inside `pallas_interpret`, and under
+def _pallas(fn, *args, head_axes, out_head_axes, **settings):
+    """Call a KDA kernel: compiled on a GPU, interpreted inside `pallas_interpret`, and under
     `kernel_mesh(mesh)` split over the mesh's 'tp' axis by heads. `head_axes`: the heads dim of
     each arg (None: a replicated scalar); `out_head_axes`: (ndim, heads dim) of each output, or one
-    such pair for a single output."""
-    call = functools.partial(kernels.shared_call, fn, interpret=kernels.interpret_arg("kda_kernel"))
+    such pair for a single output; `settings`: the kernel's static keyword settings."""
+    call = functools.partial(kernels.shared_call, fn, interpret=kernels.interpret_arg("kda_kernel"), **settings)
     mesh = kernels.current_mesh()
     if mesh is None:
         return call(*args)
@@ -138,40 +168,62 @@ class KDA(nnx.Module):
             w_in = self.w_in[...]
             proj = jnp.einsum("btd,chkd->btchk", x.astype(w_in.dtype), w_in)   # [B, T, 5, H, K]
         conv_in = jnp.concatenate([cache.conv, proj[:, :, :3]], axis=1)     # [B, ks-1+T, 3, H, K]
-        qkv = jax.nn.silu(causal_conv(conv_in, self.conv[...], t))
-        q = kda_ops.l2_normalize(qkv[:, :, 0])
-        k = kda_ops.l2_normalize(qkv[:, :, 1])
-        v = qkv[:, :, 2].astype(acc)
-        g = kda_ops.kda_gate(proj[:, :, 3], self.A_log[...], self.dt_bias[...].reshape(-1),
-                             safe_gate=cfg.kda_safe_gate, lower_bound=cfg.kda_lower_bound)
         beta = jax.nn.sigmoid(jnp.dot(x.astype(acc), self.w_beta[...].astype(acc)))   # [B, T, H]
-        if valid_len is not None:
-            real = jnp.arange(t) < valid_len
-            g = jnp.where(real[None, :, None, None], g, 0.0)
-            beta = jnp.where(real[None, :, None], beta, 0.0)
-        pallas = self.kda_kernel == "pallas" and (t == 1 or pending) and t <= kda_decode.MAX_T
         s0 = widen_state(cache.state, acc)
-        if pallas:
-            o, s = _pallas(kda_decode.kda_recurrent_pallas, q, k, v, g, beta, s0,
-                           head_axes=(2, 2, 2, 2, 2, 1), out_head_axes=((4, 2), (4, 1)))
-        elif self._prefill_kernel(t, pending, x.dtype):
-            o, s = _pallas(kda_prefill.kda_prefill_pallas, q, k, v, g, beta, s0,
-                           head_axes=(2, 2, 2, 2, 2, 1), out_head_axes=((4, 2), (4, 1)))
-        elif t == 1 and not pending:
-            o, s = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
-            o = o[:, None]
+        if self._step_kernel(t, pending):
+            o, s = self._fused_step(proj, cache, beta, s0, pending, valid_len)
         else:
-            o, s = kda_ops.kda_chunked(q, k, v, g, beta, s0)
-        s = store_state(s, cache.state.dtype)
+            qkv = jax.nn.silu(causal_conv(conv_in, self.conv[...], t))
+            q = kda_ops.l2_normalize(qkv[:, :, 0])
+            k = kda_ops.l2_normalize(qkv[:, :, 1])
+            v = qkv[:, :, 2].astype(acc)
+            g = kda_ops.kda_gate(proj[:, :, 3], self.A_log[...], self.dt_bias[...].reshape(-1),
+                                 safe_gate=cfg.kda_safe_gate, lower_bound=cfg.kda_lower_bound)
+            if valid_len is not None:
+                real = jnp.arange(t) < valid_len
+                g = jnp.where(real[None, :, None, None], g, 0.0)
+                beta = jnp.where(real[None, :, None], beta, 0.0)
+            if self._prefill_kernel(t, pending, x.dtype):
+                o, s = _pallas(kda_prefill.kda_prefill_pallas, q, k, v, g, beta, s0,
+                               head_axes=(2, 2, 2, 2, 2, 1), out_head_axes=((4, 2), (4, 1)))
+            elif t == 1 and not pending:
+                o, s = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
+                o = o[:, None]
+            else:
+                o, s = kda_ops.kda_chunked(q, k, v, g, beta, s0)
         y = self._output(o, proj[:, :, 4], x.dtype)
         if pending:
-            return y, (KDAPendingPallas if pallas else KDAPending)(cache, k, v, g, beta, conv_in)
+            if self._step_kernel(t, pending):
+                return y, KDAPendingFused(cache, proj, beta, *self._step_params(), cfg.kda_safe_gate,
+                                          float(cfg.kda_lower_bound))
+            return y, KDAPending(cache, k, v, g, beta, conv_in)
+        s = store_state(s, cache.state.dtype)
         ks = cfg.short_conv_kernel_size
         if ks == 1:
             return y, KDAState(s, cache.conv)
         if valid_len is not None:
             return y, KDAState(s, jax.lax.dynamic_slice_in_dim(conv_in, valid_len, ks - 1, axis=1))
         return y, KDAState(s, conv_in[:, t:t + ks - 1])
+
+    def _step_kernel(self, t: int, pending: bool) -> bool:
+        """Whether a forward of t tokens runs the fused Pallas step (decode, or a pending verify block)."""
+        return (self.kda_kernel == "pallas" and (t == 1 or pending) and t <= kda_step_fused.MAX_T
+                and self.cfg.short_conv_kernel_size > 1)
+
+    def _step_params(self):
+        return self.conv[...], self.A_log[...], self.dt_bias[...]
+
+    def _fused_step(self, proj, cache: KDAState, beta, s0, pending: bool, valid_len):
+        """The fused Pallas step: (o [B, T, H, V], state after the block, or None for a verify)."""
+        cfg = self.cfg
+        args = (proj, cache.conv, *self._step_params(), beta, s0)
+        settings = dict(safe_gate=cfg.kda_safe_gate, lower_bound=float(cfg.kda_lower_bound))
+        heads = dict(head_axes=(3, 3, 2, 0, 0, 2, 1))
+        if pending:
+            return _pallas(_fused_verify, *args, **heads, out_head_axes=(4, 2), **settings), None
+        if valid_len is not None:          # padded tokens become identity updates
+            args, heads = args + (jnp.asarray(valid_len, jnp.int32),), dict(head_axes=heads["head_axes"] + (None,))
+        return _pallas(_fused_decode, *args, **heads, out_head_axes=((4, 2), (4, 1)), **settings)
 
     def _prefill_kernel(self, t: int, pending: bool, dtype) -> bool:
         """Whether a forward of t tokens runs the chunked prefill kernel (module docstring)."""
@@ -199,26 +251,19 @@ def store_state(state, dtype):
     return state if state.dtype == dtype else state.astype(dtype)
 
 
-def causal_conv(window, w, t: int):
-    """Depthwise causal conv. window [B, ks-1+T, C...] (history then inputs), w [ks, C...] -> [B, T, C...].
-
-    y_t = sum_j w[j] * x_{t-ks+1+j}: output t reads window rows t .. t+ks-1.
-    """
-    ks = w.shape[0]
-    acc = acc_dtype(window.dtype)
-    out = sum(window[:, j:j + t].astype(acc) * w[j].astype(acc) for j in range(ks))
-    return out.astype(window.dtype)
-
-
-def commit_prefix(p: KDAPending, n) -> KDAState:
+def commit_prefix(p: KDAPending | KDAPendingFused, n) -> KDAState:
     """State and conv window after the first n tokens of a pending block (n traced, 0 <= n <= T)."""
-    s0 = widen_state(p.start.state, p.k.dtype)     # k is in the accumulation dtype
-    if isinstance(p, KDAPendingPallas):
-        s = _pallas(kda_decode.kda_state_after_prefix_pallas, s0, p.k, p.v, p.g, p.beta, jnp.asarray(n),
-                    head_axes=(1, 2, 2, 2, 2, None), out_head_axes=(4, 1))
-    else:
-        s = kda_ops.kda_state_after_prefix(s0, p.k, p.v, p.g, p.beta, n)
-    s = store_state(s, p.start.state.dtype)
     ks1 = p.start.conv.shape[1]
-    conv = jax.lax.dynamic_slice_in_dim(p.conv_in, n, ks1, axis=1) if ks1 else p.start.conv
+    if isinstance(p, KDAPendingFused):
+        s0 = widen_state(p.start.state, p.A_log.dtype)     # A_log is in the accumulation dtype
+        s = _pallas(_fused_commit, p.proj, p.start.conv, p.conv_w, p.A_log, p.dt_bias, p.beta, s0,
+                    jnp.asarray(n, jnp.int32), head_axes=(3, 3, 2, 0, 0, 2, 1, None), out_head_axes=(4, 1),
+                    safe_gate=p.safe_gate, lower_bound=p.lower_bound)
+        conv_in = jnp.concatenate([p.start.conv, p.proj[:, :, :3]], axis=1)     # as in KDA.__call__
+    else:
+        s0 = widen_state(p.start.state, p.k.dtype)     # k is in the accumulation dtype
+        s = kda_ops.kda_state_after_prefix(s0, p.k, p.v, p.g, p.beta, n)
+        conv_in = p.conv_in
+    s = store_state(s, p.start.state.dtype)
+    conv = jax.lax.dynamic_slice_in_dim(conv_in, n, ks1, axis=1) if ks1 else p.start.conv
     return KDAState(s, conv)

@@ -53,6 +53,18 @@ def l2_normalize(x, eps=1e-6):
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def causal_conv(window, w, t: int):
+    """Depthwise causal conv. window [B, ks-1+T, C...] (history then inputs), w [ks, C...] -> [B, T, C...].
+
+    y_t = sum_j w[j] * x_{t-ks+1+j}: output t reads window rows t .. t+ks-1; accumulated in fp32
+    (fp64 for fp64 input), returned in the window's dtype.
+    """
+    ks = w.shape[0]
+    acc = _acc_dtype(window)
+    out = sum(window[:, j:j + t].astype(acc) * w[j].astype(acc) for j in range(ks))
+    return out.astype(window.dtype)
+
+
 # ----------------------------------------------------------------------------- recurrent
 
 
@@ -207,3 +219,31 @@ def kda_recurrent_numpy(q, k, v, g, beta, initial_state=None, scale=None):
         S = S + k[:, t, :, :, None] * u[:, :, None, :]
         o[:, t] = np.einsum("bhk,bhkv->bhv", q[:, t], S)
     return o, S
+
+
+# ----------------------------------------------------------------------------- fused decode step
+
+
+def kda_fused_step(proj, window, conv_w, A_log, dt_bias, beta, state, n=None, *, safe_gate=True,
+                   lower_bound=-5.0, scale=None):
+    """What a KDA layer computes between its input projection and its output norm for a short block
+    (the XLA reference of pallas_kernels.kda_step_fused): conv + SiLU on q, k, v, L2-normalised q, k,
+    the gate, then the recurrence from `state`.
+
+    proj [B,T,P,H,K] (channels q, k, v, f, ...); window [B,ks-1,3,H,K] conv history; conv_w
+    [ks,3,H,K]; A_log [H]; dt_bias [H,K]; beta [B,T,H] (sigmoid applied); state [B,H,K,V]; n (traced
+    int, optional): tokens t >= n are identity updates (g = 0, beta = 0). Returns (o [B,T,H,V],
+    state after the block) in the accumulation dtype.
+    """
+    T = proj.shape[1]
+    conv_in = jnp.concatenate([window.astype(proj.dtype), proj[:, :, :3]], axis=1)
+    qkv = jax.nn.silu(causal_conv(conv_in, conv_w, T))
+    q = l2_normalize(qkv[:, :, 0])
+    k = l2_normalize(qkv[:, :, 1])
+    v = qkv[:, :, 2].astype(q.dtype)
+    g = kda_gate(proj[:, :, 3], A_log, dt_bias.reshape(-1), safe_gate=safe_gate, lower_bound=lower_bound)
+    if n is not None:
+        keep = jnp.arange(T) < n
+        g = jnp.where(keep[None, :, None, None], g, 0)
+        beta = jnp.where(keep[None, :, None], beta, 0)
+    return kda_recurrent(q, k, v, g, beta, state, scale)

@@ -1,0 +1,233 @@
+"""Fused KDA decode / verify / commit step (Pallas Mosaic GPU, `plgpu.kernel`): one launch from a
+KDA layer's input projection to its recurrence output, for a block of T = 1..16 tokens.
+
+Contract (the XLA reference is :func:`lingjax.ops.kda.kda_fused_step`, which is what the model's XLA
+path computes for these T):
+
+    proj    [B, T, P, H, K]  the fused input projection, channels (q, k, v, f, ...), P >= 4; the
+                             model's activation dtype (bf16, or f32 for a float32 model)
+    window  [B, W, 3, H, K]  short-conv history: the last W = ks - 1 projected q, k, v inputs
+    conv_w  [ks, 3, H, K]    depthwise causal conv weights
+    A_log [H], dt_bias [H, K]   gate parameters (float32)
+    beta    [B, T, H]        float32, sigmoid applied
+    state   [B, H, K, V]     float32 (V = K: v is a K-wide projection channel)
+    n       int32 scalar     tokens t >= n are identity updates (committing an accepted prefix of a
+                             verified block); None: all T tokens
+    -> (o [B, T, H, V] float32 or None, state [B, H, K, V] float32 or None)   (write_o / write_state)
+
+Per token t (spec kda.md): for c in q, k, v: x_c = silu(sum_j conv_w[j, c] * r_{t+j}(c)) over the
+rows r of window ++ proj, in float32 throughout (the XLA path of a bf16 model rounds some of these
+intermediates to bf16 where it materialises them: ~4e-3 relative on the outputs, measured on CPU, which
+is that path's distance from float64 too); q, k L2-normalised (eps 1e-6); g = lower_bound * sigmoid(exp(A_log) (f + dt_bias)) (the
+safe gate) or -exp(A_log) softplus(f + dt_bias); then
+    S <- diag(exp g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T (scale q).
+
+Design
+------
+* Grid ``(B, H, V // block_v)``, one warpgroup per program, as in `kda_decode` (column block j of
+  the state evolves independently of the others: B=1, H=32, block_v=32 -> 128 programs).
+* Each program brings into SMEM by TMA: its head's q / k rows of window ++ proj ([W + T, 2, K]: the
+  history lands in the first W rows, the block in the next T), the f rows [T, K], the v rows of
+  window ++ proj for every column block ([W + T, nv, bv], from free reshapes of window and proj, so
+  its own columns are one leading index), the conv weights likewise, dt_bias [K], beta for every
+  head of its batch row [T, H] (H padded to >= 4: a TMA row is >= 16 bytes) and its state tile
+  [K, bv]; A_log and n are scalar loads. The state copy is awaited last, so it overlaps the
+  preparation.
+* Preparation, one token per loop step: the conv + silu, the L2 norms (a reduction of a K-vector to
+  a scalar), the gate, the mask t < n (g = 0, beta = 0: an exact identity update, as in
+  `kda_decode.kda_state_after_prefix_pallas`), beta folded into k and v (u = beta v - S^T (beta k)).
+  q (scaled), k, beta k, g go to SMEM as [T, K] float32 rows, beta v as [T, bv]. A loop, not an
+  unrolled sequence: the unrolled form was 1.5 MB of MLIR at T = 9 (vs 0.28 MB) and, in its first
+  version on the H200 (session 11), took 25 us per verify call in the model.
+* Recurrence: the `kda_decode` loop over tokens with the [K, bv] state tile in registers
+  (elementwise ops and one-axis reductions only), o rows to SMEM, then one TMA store each for o
+  and the state. A verify skips the state store (write_state=False: its final state is never
+  used), a commit the o store.
+
+What stays in XLA around it (lingjax/model/kda.py): the projection GEMMs, beta = sigmoid(x w_beta),
+the conv window update (a slice of window ++ proj), the gated output RMSNorm (it needs the whole
+head's V columns, which four programs share).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kda_decode import pick_block_v
+
+__all__ = ["MAX_T", "kda_fused_step_pallas"]
+
+MAX_T = 16        # tokens per call: a decode step, a speculative verify block or its commit
+L2_EPS = 1e-6     # lingjax.ops.kda.l2_normalize
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=None, *,
+                          safe_gate=True, lower_bound=-5.0, scale=None, write_o=True, write_state=True,
+                          block_v=None, interpret=False):
+    """Conv + gate + norms + KDA recurrence over T = 1..16 tokens; see the module docstring.
+
+    ``interpret``: False (compile for the GPU), or a ``plgpu.InterpretGPUParams`` (CPU simulation).
+    Returns (o [B,T,H,V] float32 or None, state [B,H,K,V] float32 or None).
+    """
+    B, T, P, H, K = proj.shape
+    ks = conv_w.shape[0]
+    W = ks - 1
+    V = state.shape[-1]
+    if not 1 <= T <= MAX_T:
+        raise ValueError(f"T={T} must be in 1..{MAX_T}")
+    if P < 4:
+        raise ValueError(f"proj has {P} channels; the kernel reads q, k, v, f (proj [B, T, >=4, H, K])")
+    if K % 64:
+        raise ValueError(f"K={K} must be a multiple of 64 (WGMMA row tiling)")
+    if ks < 2:
+        raise ValueError(f"conv kernel size {ks} must be >= 2 (a window of ks - 1 history rows)")
+    if V != K or state.shape != (B, H, K, V):
+        raise ValueError(f"state shape {state.shape} != {(B, H, K, K)} (V = K)")
+    if window.shape != (B, W, 3, H, K) or conv_w.shape != (ks, 3, H, K):
+        raise ValueError(f"window {window.shape} / conv_w {conv_w.shape} do not match {(B, W, 3, H, K)} / "
+                         f"{(ks, 3, H, K)}")
+    if A_log.shape != (H,) or dt_bias.shape != (H, K) or beta.shape != (B, T, H):
+        raise ValueError(f"A_log {A_log.shape}, dt_bias {dt_bias.shape}, beta {beta.shape} must be "
+                         f"{(H,)}, {(H, K)}, {(B, T, H)}")
+    if not (write_o or write_state):
+        raise ValueError("nothing to write: set write_o and/or write_state")
+    bv = pick_block_v(V, block_v)
+    scale = float(K ** -0.5 if scale is None else scale)
+    dt = jnp.dtype(proj.dtype)
+    f32 = jnp.float32
+    n_tok = jnp.clip(jnp.asarray(T if n is None else n, jnp.int32), 0, T).reshape(1)
+    window, conv_w = window.astype(dt), conv_w.astype(dt)
+    A_log, dt_bias, beta, state = (a.astype(f32) for a in (A_log, dt_bias, beta, state))
+
+    nv = V // bv
+    # free reshapes: the v channel as [.., nv, bv] column blocks, so each program's columns are one
+    # leading index of a contiguous [.., K] row; beta padded to >= 4 heads (a TMA row is >= 16 bytes)
+    Hp = -(-H // 4) * 4
+    beta_p = beta if Hp == H else jnp.pad(beta, ((0, 0), (0, 0), (0, Hp - H)))
+    proj_v = proj.reshape(B, T, P, H, nv, bv)
+    window_v = window.reshape(B, W, 3, H, nv, bv)
+    conv_v = conv_w.reshape(ks, 3, H, nv, bv)
+
+    row = plgpu.Layout.WGMMA.reduce(1)              # [K] vectors, broadcast along columns
+    col = plgpu.Layout.WGMMA.reduce(0)              # [bv] vectors, broadcast along rows
+
+    def body(*refs):
+        proj_g, projv_g, win_g, winv_g, cw_g, cwv_g, alog_g, dtb_g, beta_g, n_g, s_g = refs[:11]
+        outs = refs[11:11 + write_o + write_state]
+        (qk_s, f_s, v_s, cw_s, cwv_s, dtb_s, beta_s, st_s,
+         q_s, k_s, kb_s, g_s, vb_s, o_s, bars) = refs[11 + write_o + write_state:]
+        b = lax.axis_index("b")
+        h = lax.axis_index("h")
+        j = lax.axis_index("v")
+        cols = pl.ds(j * bv, bv)
+        srcs = (   # rows of window ++ proj: history rows 0..W-1, then the block's T rows
+            (win_g.at[b, :, pl.ds(0, 2), h, :], qk_s.at[pl.ds(0, W)]),
+            (proj_g.at[b, :, pl.ds(0, 2), h, :], qk_s.at[pl.ds(W, T)]),
+            (winv_g.at[b, :, 2, h], v_s.at[pl.ds(0, W)]),
+            (projv_g.at[b, :, 2, h], v_s.at[pl.ds(W, T)]),
+            (proj_g.at[b, :, 3, h, :], f_s),
+            (cw_g.at[:, pl.ds(0, 2), h, :], cw_s),
+            (cwv_g.at[:, 2, h], cwv_s),
+            (dtb_g.at[h], dtb_s),
+            (beta_g.at[b], beta_s),
+            (s_g.at[b, h, :, cols], st_s),            # awaited last (after the preparation)
+        )
+        for i, (src, dst) in enumerate(srcs):
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+        a = jnp.exp(alog_g[h])
+        n_valid = n_g[0]
+        for i in range(len(srcs) - 1):
+            plgpu.barrier_wait(bars.at[i])
+
+        # ---- preparation, one token per loop step: conv + silu, norms, gate, mask, beta
+        def conv(row_of, w_of):
+            acc = row_of(0) * w_of(0)
+            for i in range(1, ks):
+                acc = acc + row_of(i) * w_of(i)
+            return acc * _sigmoid(acc)                # silu, in float32
+
+        def prep(t, carry):
+            keep = t < n_valid
+            qk = [conv(lambda i: plgpu.load(qk_s.at[t + i, c], layout=row).astype(f32),
+                       lambda i: plgpu.load(cw_s.at[i, c], layout=row).astype(f32)) for c in range(2)]
+            v = conv(lambda i: plgpu.load(v_s.at[t + i, j], layout=col).astype(f32),
+                     lambda i: plgpu.load(cwv_s.at[i, j], layout=col).astype(f32))
+            q = qk[0] * (lax.rsqrt(jnp.sum(qk[0] * qk[0]) + L2_EPS) * scale)
+            k = qk[1] * lax.rsqrt(jnp.sum(qk[1] * qk[1]) + L2_EPS)
+            x = plgpu.load(f_s.at[t], layout=row).astype(f32) + plgpu.load(dtb_s, layout=row)
+            if safe_gate:
+                g = lower_bound * _sigmoid(a * x)
+            else:                         # -a softplus(x), softplus(x) = max(x, 0) + log(1 + exp(-|x|))
+                g = -a * (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x))))
+            bt = jnp.where(keep, beta_s[t, h], 0.0)
+            q_s[t] = q
+            k_s[t] = k
+            kb_s[t] = k * bt
+            g_s[t] = g * jnp.where(keep, 1.0, 0.0)
+            vb_s[t] = v * bt
+            return carry
+
+        lax.fori_loop(0, T, prep, jnp.int32(0))
+        plgpu.commit_smem()                           # the rows above are read in other layouts below
+        plgpu.barrier_wait(bars.at[len(srcs) - 1])
+
+        # ---- recurrence (state tile [K, bv] in registers)
+        S = plgpu.load(st_s, layout=plgpu.Layout.WGMMA)
+
+        def step(t, S):
+            S = S * jnp.exp(plgpu.load(g_s.at[t], layout=row))[:, None]
+            u = plgpu.load(vb_s.at[t], layout=col) - jnp.sum(S * plgpu.load(kb_s.at[t], layout=row)[:, None], axis=0)
+            S = S + plgpu.load(k_s.at[t], layout=row)[:, None] * u[None, :]
+            if write_o:
+                o_s[t] = jnp.sum(S * plgpu.load(q_s.at[t], layout=row)[:, None], axis=0)
+            return S
+
+        S = lax.fori_loop(0, T, step, S)
+        if write_state:
+            st_s[...] = S
+        plgpu.commit_smem()
+        if write_o:
+            plgpu.copy_smem_to_gmem(o_s, outs[0].at[b, :, h, cols])
+        if write_state:
+            plgpu.copy_smem_to_gmem(st_s, outs[-1].at[b, h, :, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = ((jax.ShapeDtypeStruct((B, T, H, V), f32),) * write_o
+                + (jax.ShapeDtypeStruct((B, H, K, V), f32),) * write_state)
+    kernel = plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=(
+            plgpu.SMEM((W + T, 2, K), dt),      # q, k rows of window ++ proj
+            plgpu.SMEM((T, K), dt),             # f rows
+            plgpu.SMEM((W + T, nv, bv), dt),    # v rows of window ++ proj, by column block
+            plgpu.SMEM((ks, 2, K), dt),         # q, k conv weights
+            plgpu.SMEM((ks, nv, bv), dt),       # v conv weights, by column block
+            plgpu.SMEM((K,), f32),              # dt_bias
+            plgpu.SMEM((T, Hp), f32),           # beta (every head of the batch row)
+            plgpu.SMEM((K, bv), f32),           # state tile (in, then out)
+            plgpu.SMEM((T, K), f32),            # scale * normalised q
+            plgpu.SMEM((T, K), f32),            # normalised k
+            plgpu.SMEM((T, K), f32),            # beta k
+            plgpu.SMEM((T, K), f32),            # g (masked)
+            plgpu.SMEM((T, bv), f32),           # beta v
+            plgpu.SMEM((T, bv), f32),           # o
+            plgpu.Barrier(num_barriers=10),
+        ),
+        grid=(B, H, V // bv),
+        grid_names=("b", "h", "v"),
+        interpret=interpret if interpret else None,
+    )
+    outs = kernel(proj, proj_v, window, window_v, conv_w, conv_v, A_log, dt_bias, beta_p, n_tok, state)
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    o = outs.pop(0) if write_o else None
+    s = outs.pop(0) if write_state else None
+    return o, s

@@ -1,0 +1,173 @@
+"""Tests for the fused KDA decode / verify / commit step (pallas_kernels/kda_step_fused.py).
+
+On CPU: Mosaic GPU interpret mode with race detection against the XLA reference
+(lingjax.ops.kda.kda_fused_step) and a float64 run of that reference, over T in {1, 3, 9, 16}, head
+dims 64 / 128, both gates, f32 and bf16 activations, masked prefixes (commit) and the write flags;
+cross-lowering for CUDA at the Ling shape. On a GPU (JAX_PLATFORMS=cuda; skipped elsewhere): the
+compiled kernel at the Ling shape against the reference. Speed: bench/kernels.py.
+"""
+
+import jax
+
+jax.config.update("jax_enable_x64", True)  # process-global (conftest): tests pass float32 explicitly
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+
+from helpers import interpret_only  # noqa: E402
+from lingjax.ops.kda import kda_fused_step  # noqa: E402
+from pallas_kernels.kda_step_fused import kda_fused_step_pallas  # noqa: E402
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
+RACES_RAISE = "on_race" in getattr(plgpu.InterpretGPUParams, "__dataclass_fields__", {})
+ON_GPU = jax.default_backend() == "gpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (run with JAX_PLATFORMS=cuda)")
+
+
+def _inputs(B, T, H, K, *, dtype=F32, seed=0, ks=4):
+    """Model-like inputs: unit-scale projections, conv weights ~ 1/sqrt(ks), gate parameters that put
+    g across (-5, 0), beta in (0, 1), a random state."""
+    r = jax.random.split(jax.random.PRNGKey(seed), 8)
+    proj = jax.random.normal(r[0], (B, T, 5, H, K), F32).astype(dtype)
+    window = jax.random.normal(r[1], (B, ks - 1, 3, H, K), F32).astype(dtype)
+    conv_w = (ks ** -0.5 * jax.random.normal(r[2], (ks, 3, H, K), F32)).astype(dtype)
+    A_log = 0.5 * jax.random.normal(r[3], (H,), F32)
+    dt_bias = 0.5 * jax.random.normal(r[4], (H, K), F32)
+    beta = jax.nn.sigmoid(jax.random.normal(r[5], (B, T, H), F32))
+    state = jax.random.normal(r[6], (B, H, K, K), F32)
+    return proj, window, conv_w, A_log, dt_bias, beta, state
+
+
+def _assert_no_race_flagged():
+    if not RACES_RAISE:
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+        assert not gpu_callbacks.get_races().races_found, "interpret mode detected a race"
+
+
+def _run(args, n=None, interpret=INTERPRET, **kw):
+    out = jax.block_until_ready(kda_fused_step_pallas(*args, None if n is None else jnp.int32(n),
+                                                      interpret=interpret, **kw))
+    if interpret:
+        _assert_no_race_flagged()
+    return out
+
+
+def _reference(args, n=None, dtype=F32, **kw):
+    """The XLA reference on the same inputs, computed in `dtype` (float64: an oracle for rounding)."""
+    proj, window, conv_w, *rest = args
+    if dtype == jnp.float64:      # the kernel's own rounding points are those of its input dtype
+        proj, window, conv_w = (x.astype(jnp.float64) for x in (proj, window, conv_w))
+        rest = [x.astype(jnp.float64) for x in rest]
+    fn = jax.jit(lambda *a: kda_fused_step(*a, None if n is None else jnp.int32(n), **kw))
+    return fn(proj, window, conv_w, *rest)
+
+
+def _rel(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.sqrt(np.mean((out - ref) ** 2) / np.mean(ref ** 2)))
+
+
+# (B, T, H, K, dtype, safe_gate, block_v)
+CASES = [
+    (1, 1, 2, 64, F32, True, None),
+    (2, 3, 1, 64, F32, False, None),
+    (1, 9, 2, 128, F32, True, None),
+    (1, 16, 1, 64, F32, True, 64),
+    (1, 1, 2, 128, BF16, True, None),
+    (1, 9, 1, 64, BF16, True, 16),
+    (2, 16, 1, 64, BF16, False, None),
+]
+
+
+@pytest.mark.parametrize("B,T,H,K,dtype,safe_gate,block_v", CASES)
+@interpret_only
+def test_interpret_matches_reference(B, T, H, K, dtype, safe_gate, block_v):
+    args = _inputs(B, T, H, K, dtype=dtype, seed=T * 5 + B + H + K)
+    o, s = _run(args, safe_gate=safe_gate, block_v=block_v)
+    assert o.shape == (B, T, H, K) and o.dtype == F32
+    assert s.shape == (B, H, K, K) and s.dtype == F32
+    # float32 arithmetic on the kernel's inputs: the reference in float64 is the oracle
+    fo, fs = _reference(args, dtype=jnp.float64, safe_gate=safe_gate)
+    assert _rel(o, fo) <= 1e-5 and _rel(s, fs) <= 1e-5, (_rel(o, fo), _rel(s, fs))
+    # the XLA path in the activation dtype: the same for f32; a bf16 model's XLA path rounds
+    # intermediates (conv output, silu) to bf16 where it materialises them, the kernel does not
+    ro, rs = _reference(args, safe_gate=safe_gate)
+    tol = 2e-6 if dtype == F32 else 1e-2
+    assert _rel(o, ro) <= tol and _rel(s, rs) <= tol, (_rel(o, ro), _rel(s, rs))
+
+
+@pytest.mark.parametrize("n", [0, 2, 5])
+@interpret_only
+def test_interpret_prefix_is_the_shorter_block(n):
+    """Tokens t >= n are identity updates: the state equals the kernel's own state after a block of
+    only the first n tokens, bit for bit (the commit of an accepted prefix)."""
+    args = _inputs(1, 5, 2, 64, dtype=BF16, seed=3)
+    _, s = _run(args, n, write_o=False)
+    if n:
+        proj, window, conv_w, A_log, dt_bias, beta, state = args
+        _, direct = _run((proj[:, :n], window, conv_w, A_log, dt_bias, beta[:, :n], state))
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(direct))
+    else:
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(args[-1]))
+    assert _rel(s, _reference(args, n, dtype=jnp.float64)[1]) <= 1e-5
+
+
+@interpret_only
+def test_interpret_write_flags():
+    args = _inputs(1, 3, 1, 64, seed=9)
+    o_full, s_full = _run(args)
+    o, s = _run(args, write_state=False)
+    assert s is None
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_full))
+    o, s = _run(args, write_o=False)
+    assert o is None
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s_full))
+
+
+def test_rejects_bad_inputs():
+    args = _inputs(1, 2, 1, 64)
+    proj, window, conv_w, A_log, dt_bias, beta, state = args
+    with pytest.raises(ValueError, match="T=17"):
+        kda_fused_step_pallas(*_inputs(1, 17, 1, 64), interpret=INTERPRET)
+    with pytest.raises(ValueError, match="channels"):
+        kda_fused_step_pallas(proj[:, :, :3], *args[1:], interpret=INTERPRET)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        kda_fused_step_pallas(*_inputs(1, 2, 1, 32), interpret=INTERPRET)
+    with pytest.raises(ValueError, match="window"):
+        kda_fused_step_pallas(proj, window[:, :2], *args[2:], interpret=INTERPRET)
+    with pytest.raises(ValueError, match="beta"):
+        kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta[:, :1], state, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="block_v"):
+        kda_fused_step_pallas(*args, block_v=24, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="nothing to write"):
+        kda_fused_step_pallas(*args, write_o=False, write_state=False, interpret=INTERPRET)
+
+
+# Cross-lowering runs the real Mosaic GPU lowering (layout inference, MLIR verification, SMEM
+# budget) on this CPU host; registers, spills and speed are only checked on the H200.
+@pytest.mark.parametrize("T,write_o,write_state", [(1, True, True), (9, True, False), (9, False, True)])
+def test_cross_lowers_for_cuda_real_shape(T, write_o, write_state):
+    args = _inputs(1, T, 32, 128, dtype=BF16)
+    fn = jax.jit(lambda *a: kda_fused_step_pallas(*a, jnp.int32(T), write_o=write_o, write_state=write_state))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
+@gpu_only
+@pytest.mark.parametrize("safe_gate", [True, False], ids=["safe", "softplus"])
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("T", [1, 9, 16])
+def test_gpu_matches_reference(T, dtype, safe_gate):
+    args = _inputs(1, T, 32, 128, dtype=dtype, seed=100 + T)
+    o, s = _run(args, interpret=False, safe_gate=safe_gate)
+    fo, fs = _reference(args, dtype=jnp.float64, safe_gate=safe_gate)
+    assert _rel(o, fo) <= 1e-5 and _rel(s, fs) <= 1e-5, (_rel(o, fo), _rel(s, fs))
+    ro, rs = _reference(args, safe_gate=safe_gate)
+    tol = 2e-6 if dtype == F32 else 1e-2
+    assert _rel(o, ro) <= tol and _rel(s, rs) <= tol, (_rel(o, ro), _rel(s, rs))
+    n = max(T // 2, 1)
+    _, sp = _run(args, n, interpret=False, write_o=False, safe_gate=safe_gate)
+    assert _rel(sp, _reference(args, n, dtype=jnp.float64, safe_gate=safe_gate)[1]) <= 1e-5
