@@ -1,23 +1,25 @@
-"""Pallas kernels against their XLA references at Ling shapes: time, error, % of the memory floor.
+"""The fused KDA step kernel against the model's XLA path at Ling shapes: time, error, % of the memory floor.
 
     python -m bench.kernels [--iters 200] [--block-v 16,32,64,128] [--out DIR]
     python -m bench.kernels --interpret --iters 2      # CPU smoke: interpret mode, small shapes
 
-Cases (B=1, H=32, K=V=128; q, k, v, beta bf16; g (log decay) and the state fp32, as in the model):
-  decode  T=1   kda_recurrent_pallas           vs kda_step               (the XLA decode path)
-  verify  T=9   kda_recurrent_pallas           vs kda_chunked            (the XLA verify path)
-  verify  T=16  kda_recurrent_pallas           vs kda_chunked
-  commit  T=9   kda_state_after_prefix_pallas  vs kda_state_after_prefix (accepted prefix n=5)
+Cases (B=1, H=32, K=V=128; the input projection, conv window and weights bf16; gate parameters,
+beta and the state fp32, as in the model). Each row is everything a KDA layer does between its
+input projection and its output norm: conv + SiLU, L2 norms, gate, the recurrence.
+  decode  T=1   kda_fused_step_pallas (o, state)       vs conv ... + kda_step                (the XLA decode path)
+  verify  T=9   kda_fused_step_pallas (o)              vs conv ... + kda_chunked             (the XLA verify path)
+  verify  T=16  kda_fused_step_pallas (o)              vs conv ... + kda_chunked
+  commit  T=9   kda_fused_step_pallas (state, n=5)     vs conv ... + kda_state_after_prefix (accepted prefix n=5)
 
 Time: `call` = median of --iters jitted calls, each blocked on (includes dispatch); `loop` = one
 jitted lax.fori_loop of --iters calls, 8 per loop iteration (the loop's own cost spread over them),
 each taking the previous call's state and one of 4 input draws in turn (no dispatch, nothing
 loop-invariant to hoist), median of 3 runs / --iters; the chained 4 MiB state may stay in the L2. Warm-up
-(compile) runs are excluded. Floor = the bytes a call must move (state read + written, inputs,
-outputs) / the device copy bandwidth measured in this run; `%floor` = floor time / measured time
-(the table shows it for `loop`, the JSON for both). Errors: max |kernel - XLA| (and relative to
-max |XLA|), and the relative RMSE of each row against a float64 numpy oracle on the same (rounded)
-inputs.
+(compile) runs are excluded. Floor = the bytes a call must move (state read, and written unless a
+verify, inputs, outputs) / the device copy bandwidth measured in this run; `%floor` = floor time /
+measured time (the table shows it for `loop`, the JSON for both). Errors: max |kernel - XLA| (and
+relative to max |XLA|), and the relative RMSE of each row against the float64 reference
+(lingjax.ops.kda.kda_fused_step on the same inputs).
 """
 from __future__ import annotations
 
@@ -40,7 +42,11 @@ LOOP_SETS = 4                           # distinct input draws cycled through by
 class Case:
     name: str
     T: int
-    commit: bool = False                # state-only (replay commit of the first COMMIT_N tokens)
+    commit: bool = False                # state only (replay commit of the first COMMIT_N tokens)
+
+    @property
+    def verify(self) -> bool:           # o only (a pending verify block's final state is never used)
+        return self.T > 1 and not self.commit
 
 
 CASES = (Case("decode", 1), Case("verify", 9), Case("verify", 16), Case("commit", 9, commit=True))
@@ -50,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=200, help="timed calls per measurement")
-    ap.add_argument("--block-v", default="", help="comma list of kda_decode block_v values to compare "
-                                                 "(default: the kernel's default)")
+    ap.add_argument("--block-v", default="", help="comma list of block_v values (state columns per program) to "
+                                                 "compare (default: the kernel's default)")
     ap.add_argument("--interpret", action="store_true",
                     help="run the kernels in Mosaic GPU interpret mode at small shapes (CPU smoke; times meaningless)")
     ap.add_argument("--copy-mib", type=int, default=None,
@@ -62,65 +68,80 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_inputs(B, T, H, K, seed=0):
-    """(q, k, v, g, beta) [B,T,H,*] and state [B,H,K,K]: unit-norm q, k; weak decay g in (-0.05, 0)
-    so that a state chained over many loop iterations stays bounded."""
+    """(proj [B,T,5,H,K], window [B,3,3,H,K], conv_w [4,3,H,K], A_log [H], dt_bias [H,K], beta [B,T,H])
+    and state [B,H,K,K]. The gate parameters put g near 0 (weak decay) so that a state chained over
+    many loop iterations stays bounded."""
     import jax
     import jax.numpy as jnp
-    from lingjax.ops.kda import l2_normalize
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    r = jax.random.split(jax.random.PRNGKey(seed), 7)
     f32, bf16 = jnp.float32, jnp.bfloat16
-    q = l2_normalize(jax.random.normal(ks[0], (B, T, H, K), f32)).astype(bf16)
-    k = l2_normalize(jax.random.normal(ks[1], (B, T, H, K), f32)).astype(bf16)
-    v = jax.random.normal(ks[2], (B, T, H, K), f32).astype(bf16)
-    g = -0.05 * jax.random.uniform(ks[3], (B, T, H, K), f32)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H), f32)).astype(bf16)
-    state = jax.random.normal(ks[5], (B, H, K, K), f32)
-    return (q, k, v, g, beta), state
+    proj = jax.random.normal(r[0], (B, T, 5, H, K), f32).astype(bf16)
+    window = jax.random.normal(r[1], (B, 3, 3, H, K), f32).astype(bf16)
+    conv_w = (0.5 * jax.random.normal(r[2], (4, 3, H, K), f32)).astype(bf16)
+    A_log = jnp.full((H,), -4.0, f32)                       # exp(A_log) small: g ~ -2.5 * exp(-4)
+    dt_bias = jax.random.normal(r[3], (H, K), f32)
+    beta = jax.nn.sigmoid(jax.random.normal(r[4], (B, T, H), f32))
+    state = jax.random.normal(r[5], (B, H, K, K), f32)
+    return (proj, window, conv_w, A_log, dt_bias, beta), state
 
 
 def floor_bytes(case: Case, xs, state) -> int:
-    """Bytes one call must move: state read + written, its inputs, its fp32 outputs."""
-    q, k, v, g, beta = xs
-    ins = (k, v, g, beta) if case.commit else xs
-    out = 0 if case.commit else v.size * 4
-    return 2 * state.size * 4 + sum(x.size * x.dtype.itemsize for x in ins) + out
+    """Bytes one call must move: the state read (and written unless a verify), the projection's q, k,
+    v, f channels, the window, weights and gate parameters, the fp32 outputs."""
+    proj, *rest = xs
+    ins = proj.size * proj.dtype.itemsize * 4 // proj.shape[2] + sum(x.size * x.dtype.itemsize for x in rest)
+    out = 0 if case.commit else proj.shape[0] * proj.shape[1] * proj.shape[3] * proj.shape[4] * 4
+    return (1 if case.verify else 2) * state.size * 4 + ins + out
+
+
+def xla_path(case: Case, xs, s):
+    """What the model's XLA path computes for the case (lingjax/model/kda.py): (o, state) / (o, s) / (state,)."""
+    import jax
+    import jax.numpy as jnp
+    from lingjax.ops import kda as ops
+    proj, window, conv_w, A_log, dt_bias, beta = xs
+    T = proj.shape[1]
+    qkv = jax.nn.silu(ops.causal_conv(jnp.concatenate([window, proj[:, :, :3]], axis=1), conv_w, T))
+    q, k = ops.l2_normalize(qkv[:, :, 0]), ops.l2_normalize(qkv[:, :, 1])
+    v = qkv[:, :, 2].astype(q.dtype)
+    g = ops.kda_gate(proj[:, :, 3], A_log, dt_bias.reshape(-1))
+    if case.commit:
+        return (ops.kda_state_after_prefix(s, k, v, g, beta, jnp.int32(COMMIT_N)),)
+    if T == 1:
+        o, s1 = ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s)
+        return o[:, None], s1
+    return ops.kda_chunked(q, k, v, g, beta, s)[0], s
 
 
 def impls(case: Case, V: int, block_vs, interpret) -> list[tuple[str, Callable]]:
-    """[(label, f(xs, state) -> outputs tuple whose last entry is the new state)], XLA first."""
+    """[(label, f(xs, state) -> outputs tuple whose last entry is the state to chain)], XLA first."""
     import jax.numpy as jnp
-    from lingjax.ops import kda as ops
-    from pallas_kernels import kda_decode as kd
-    n = jnp.int32(COMMIT_N)
-    f32 = lambda xs: tuple(x.astype(jnp.float32) for x in xs)
-    if case.commit:
-        out = [("xla kda_state_after_prefix",
-                lambda xs, s: (ops.kda_state_after_prefix(s, *f32(xs[1:]), n),))]
-        for bv in block_vs:
-            out.append((f"pallas bv={kd._pick_block_v(V, bv)}", lambda xs, s, bv=bv: (
-                kd.kda_state_after_prefix_pallas(s, *xs[1:], n, block_v=bv, interpret=interpret),)))
-        return out
-    if case.T == 1:
-        def ref(xs, s):
-            o, s = ops.kda_step(*(x[:, 0] for x in f32(xs)), s)
-            return o[:, None], s
-        out = [("xla kda_step", ref)]
-    else:
-        out = [("xla kda_chunked", lambda xs, s: ops.kda_chunked(*f32(xs), s))]
+    from pallas_kernels import kda_step_fused as kf
+    out = [("xla " + ("kda_state_after_prefix" if case.commit else "kda_step" if case.T == 1 else "kda_chunked"),
+            lambda xs, s: xla_path(case, xs, s))]
     for bv in block_vs:
-        out.append((f"pallas bv={kd._pick_block_v(V, bv)}",
-                    lambda xs, s, bv=bv: kd.kda_recurrent_pallas(*xs, s, block_v=bv, interpret=interpret)))
+        label = f"pallas bv={kf.pick_block_v(V, bv)}"
+        if case.commit:
+            fn = lambda xs, s, bv=bv: (kf.kda_fused_step_pallas(*xs, s, jnp.int32(COMMIT_N), write_o=False,
+                                                                 block_v=bv, interpret=interpret)[1],)
+        elif case.verify:
+            fn = lambda xs, s, bv=bv: (kf.kda_fused_step_pallas(*xs, s, write_state=False, block_v=bv,
+                                                                 interpret=interpret)[0], s)
+        else:
+            fn = lambda xs, s, bv=bv: kf.kda_fused_step_pallas(*xs, s, block_v=bv, interpret=interpret)
+        out.append((label, fn))
     return out
 
 
 def oracle(case: Case, xs, state):
-    """float64 numpy (o or None, state) on the same inputs."""
-    import numpy as np
-    from lingjax.ops.kda import kda_recurrent_numpy
-    xs = [np.asarray(x, np.float64) for x in xs]
-    if case.commit:
-        return None, kda_recurrent_numpy(*(x[:, :COMMIT_N] for x in xs), state)[1]
-    return kda_recurrent_numpy(*xs, state)
+    """float64 (o or None, state after the block or prefix) on the same inputs."""
+    import jax
+    import jax.numpy as jnp
+    from lingjax.ops.kda import kda_fused_step
+    f64 = [x.astype(jnp.float64) for x in (*xs, state)]
+    n = jnp.int32(COMMIT_N) if case.commit else None
+    o, s = jax.jit(kda_fused_step)(*f64, n)
+    return (None if case.commit else o), s
 
 
 def time_loop(fn, xs_sets, state, iters: int, repeats: int = 3, unroll: int = 8) -> float:
@@ -190,10 +211,10 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
             ref_out = outs
         row.update(us_call=t_call * 1e6, us_loop=t_loop * 1e6,
                    pct_floor_call=100 * floor_s / t_call, pct_floor_loop=100 * floor_s / t_loop,
-                   rmse_s_f64=_rel_rmse(outs[-1], s64),
+                   rmse_s_f64=None if case.verify else _rel_rmse(outs[-1], s64),
                    rmse_o_f64=None if o64 is None else _rel_rmse(outs[0], o64))
         for name, i in (("s", -1), ("o", 0)):
-            if is_ref or (name == "o" and case.commit):
+            if is_ref or (name == "o" and case.commit) or (name == "s" and case.verify):
                 row[f"max_abs_{name}"] = row[f"max_rel_{name}"] = None
                 continue
             ref = np.asarray(ref_out[i], np.float64)
@@ -223,9 +244,9 @@ def print_table(rows, copy_bw):
         print(f"{r['case']:7s} {r['T']:3d} {r['impl']:28s} {r['us_call']:9.2f} {r['us_loop']:9.2f} "
               f"{r['floor_us']:9.3f} {r['pct_floor_loop']:6.1f}% {_fmt(r['max_abs_o'], '9.2e')} "
               f"{_fmt(r['max_abs_s'], '9.2e')} {_fmt(r['max_rel_o'], '8.1e')} {_fmt(r['max_rel_s'], '8.1e')} "
-              f"{_fmt(r['rmse_o_f64'], '9.1e')} {r['rmse_s_f64']:9.1e}")
+              f"{_fmt(r['rmse_o_f64'], '9.1e')} {_fmt(r['rmse_s_f64'], '9.1e')}")
     print("%floor: of the loop time; max|d.|, rel.: vs the XLA row of the case; rmse .64: relative RMSE "
-          "vs the float64 oracle\n")
+          "vs the float64 reference (a verify writes no state)\n")
 
 
 def main(argv=None) -> dict:
@@ -254,7 +275,8 @@ def main(argv=None) -> dict:
         rows.extend(run_case(case, shape, block_vs, interpret, a.iters, copy_bw))
     print_table(rows, copy_bw)
     rec = {"bench": "kernels", "shape": {**shape, "V": shape["K"]}, "interpret": a.interpret,
-           "input_dtypes": {"q,k,v,beta": "bfloat16", "g,state": "float32"}, "commit_n": COMMIT_N,
+           "input_dtypes": {"proj,window,conv_w": "bfloat16", "A_log,dt_bias,beta,state": "float32"},
+           "commit_n": COMMIT_N,
            "iters": a.iters, "copy_bytes_per_s": copy_bw, "copy_probe_bytes": copy_bytes,
            "rows": rows, "flags": vars(a)}
     rec["result_path"] = str(save_result("kernels", rec, a.out))

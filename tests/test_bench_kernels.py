@@ -21,12 +21,15 @@ def test_kernels_smoke(tmp_path, capsys):
     assert [(r["case"], r["T"]) for r in rows[::3]] == [("decode", 1), ("verify", 9), ("verify", 16), ("commit", 9)]
     assert [r["impl"] for r in rows[:3]] == ["xla kda_step", "pallas bv=16", "pallas bv=32"]
     for r in rows:
-        assert r["us_call"] > 0 and r["us_loop"] > 0 and r["bytes"] > 2 * 2 * 64 * 64 * 4
-        assert r["rmse_s_f64"] <= 1e-5
-        assert r["rmse_o_f64"] is None if r["case"] == "commit" else r["rmse_o_f64"] <= 1e-5
-        if r["impl"].startswith("pallas"):
-            assert r["max_rel_s"] <= 1e-5
-            assert r["max_rel_o"] is None if r["case"] == "commit" else r["max_rel_o"] <= 1e-5
+        assert r["us_call"] > 0 and r["us_loop"] > 0 and r["bytes"] > 2 * 64 * 64 * 4
+        verify = r["case"] == "verify"
+        assert r["rmse_s_f64"] is None if verify else r["rmse_s_f64"] <= 1e-2    # XLA rows: bf16 rounding
+        assert r["rmse_o_f64"] is None if r["case"] == "commit" else r["rmse_o_f64"] <= 1e-2
+        if r["impl"].startswith("pallas"):      # float32 arithmetic on the bf16 inputs
+            assert r["rmse_o_f64"] is None or r["rmse_o_f64"] <= 1e-5
+            assert r["rmse_s_f64"] is None or r["rmse_s_f64"] <= 1e-5
+            assert r["max_rel_s"] is None if verify else r["max_rel_s"] <= 5e-2
+            assert r["max_rel_o"] is None if r["case"] == "commit" else r["max_rel_o"] <= 5e-2
 
 
 @pytest.mark.parametrize("extra,msg", [
@@ -49,12 +52,11 @@ def test_kernels_needs_gpu_or_interpret(capsys):
 
 
 def test_failing_kernel_variant_is_recorded_not_fatal(tmp_path, capsys, monkeypatch):
-    from pallas_kernels import kda_decode
+    from pallas_kernels import kda_step_fused
 
     def broken(*args, **kw):
         raise RuntimeError("ptxas: too many resources")
-    monkeypatch.setattr(kda_decode, "kda_recurrent_pallas", broken)
-    monkeypatch.setattr(kda_decode, "kda_state_after_prefix_pallas", broken)
+    monkeypatch.setattr(kda_step_fused, "kda_fused_step_pallas", broken)
     rec = kernels.main(["--interpret", "--iters", "1", "--no-xla-defaults", "--copy-mib", "4", "--out", str(tmp_path)])
     rows = rec["rows"]
     assert len(rows) == 8 and all("error" not in r for r in rows[::2])
