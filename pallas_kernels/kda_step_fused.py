@@ -24,8 +24,10 @@ safe gate) or -exp(A_log) softplus(f + dt_bias); then
 
 Design
 ------
-* Grid ``(B, H, V // block_v)``, one warpgroup per program, as in `kda_decode` (column block j of
-  the state evolves independently of the others: B=1, H=32, block_v=32 -> 128 programs).
+* Grid ``(B, H, V // block_v)``, one warpgroup (128 threads) per program. Column block j of the
+  state, ``S[:, j*block_v:(j+1)*block_v]``, evolves independently of the other columns (every
+  update mixes rows only through the full-length k, q, g, which each program computes whole), so
+  the V axis is split to get enough programs: B=1, H=32, V=128, block_v=32 -> 128 programs.
 * Each program brings into SMEM by TMA: its head's q / k rows of window ++ proj ([W + T, 2, K]: the
   history lands in the first W rows, the block in the next T), the f rows [T, K], the v rows of
   window ++ proj for every column block ([W + T, nv, bv], from free reshapes of window and proj, so
@@ -34,15 +36,20 @@ Design
   [K, bv]; A_log and n are scalar loads. The state copy is awaited last, so it overlaps the
   preparation.
 * Preparation, one token per loop step: the conv + silu, the L2 norms (a reduction of a K-vector to
-  a scalar), the gate, the mask t < n (g = 0, beta = 0: an exact identity update, as in
-  `kda_decode.kda_state_after_prefix_pallas`), beta folded into k and v (u = beta v - S^T (beta k)).
+  a scalar), the gate, the mask t < n (g = 0, beta = 0: exactly the identity in the recurrence
+  below, exp(0) = 1 and u = 0 so S + k*0 = S for any finite S, so a replay of a block with n
+  accepted tokens leaves the state bit for bit as after those n), beta folded into k and v
+  (u = beta v - S^T (beta k)).
   q (scaled), k, beta k, g go to SMEM as [T, K] float32 rows, beta v as [T, bv]. A loop, not an
   unrolled sequence: the unrolled form was 1.5 MB of MLIR at T = 9 (vs 0.28 MB) and, in its first
   version on the H200 (session 11), took 25 us per verify call in the model.
-* Recurrence: the `kda_decode` loop over tokens with the [K, bv] state tile in registers
-  (elementwise ops and one-axis reductions only), o rows to SMEM, then one TMA store each for o
-  and the state. A verify skips the state store (write_state=False: its final state is never
-  used), a commit the o store.
+* Recurrence: a loop over tokens with the [K, bv] state tile in registers in the WGMMA fragment
+  layout (K rows over the 4 warps), written with elementwise ops and one-axis reductions only:
+  K-vectors in ``WGMMA.reduce(1)`` ("row") layout broadcast along columns (``S * x[:, None]``),
+  ``S^T x = sum(S * x[:, None], axis=0)`` (cross-warp, through a small SMEM scratch) giving a
+  ``WGMMA.reduce(0)`` ("column") vector, the rank-1 update ``k[:, None] * u[None, :]``. o rows go to
+  SMEM, then one TMA store each for o and the state (read once, written once per block). A verify
+  skips the state store (write_state=False: its final state is never used), a commit the o store.
 
 What stays in XLA around it (lingjax/model/kda.py): the projection GEMMs, beta = sigmoid(x w_beta),
 the conv window update (a slice of window ++ proj), the gated output RMSNorm (it needs the whole
@@ -57,12 +64,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda_decode import pick_block_v
-
-__all__ = ["MAX_T", "kda_fused_step_pallas"]
+__all__ = ["MAX_T", "kda_fused_step_pallas", "pick_block_v"]
 
 MAX_T = 16        # tokens per call: a decode step, a speculative verify block or its commit
 L2_EPS = 1e-6     # lingjax.ops.kda.l2_normalize
+
+
+def pick_block_v(V: int, block_v: int | None) -> int:
+    """block_v as given (checked), or the default: 32 state columns per program when V allows."""
+    if block_v is not None:
+        if V % block_v or block_v % 8:
+            raise ValueError(f"block_v={block_v} must divide V={V} and be a multiple of 8")
+        return block_v
+    for cand in (32, 64, 16, 8):
+        if V % cand == 0:
+            return cand
+    raise ValueError(f"V={V} must be a multiple of 8")
 
 
 def _sigmoid(x):
