@@ -11,15 +11,15 @@ BASE = ["--interpret", "--iters", "2", "--no-xla-defaults", "--copy-mib", "4"]
 
 
 def test_kernels_smoke(tmp_path, capsys):
-    rec = kernels.main(BASE + ["--block-v", "16,32", "--out", str(tmp_path)])
+    rec = kernels.main(BASE + ["--block-v", "16", "--out", str(tmp_path)])   # one variant: interpret mode is slow
     out = capsys.readouterr().out
     assert "us/call" in out and "%floor" in out
     assert json.loads(out.strip().splitlines()[-1])["bench"] == "kernels"
     saved = json.loads(open(rec["result_path"]).read())
     assert saved["interpret"] and saved["shape"] == {"B": 1, "H": 2, "K": 64, "V": 64} and "env" in saved
     rows = saved["rows"]
-    assert [(r["case"], r["T"]) for r in rows[::3]] == [("decode", 1), ("verify", 9), ("verify", 16), ("commit", 9)]
-    assert [r["impl"] for r in rows[:3]] == ["xla kda_step", "pallas bv=16", "pallas bv=32"]
+    assert [(r["case"], r["T"]) for r in rows[::2]] == [("decode", 1), ("verify", 9), ("verify", 16), ("commit", 9)]
+    assert [r["impl"] for r in rows[:2]] == ["xla kda_step", "pallas bv=16"]
     for r in rows:
         assert r["us_call"] > 0 and r["us_loop"] > 0 and r["bytes"] > 2 * 64 * 64 * 4
         verify = r["case"] == "verify"

@@ -9,7 +9,8 @@ The recurrence runs on one of two kernels (``kda_kernel``, XLA by default):
   "pallas" the fused Mosaic GPU step (pallas_kernels/kda_step_fused.py: conv, SiLU, L2 norms,
            gate and the recurrence in one launch per layer) for decode (T = 1), for the outputs of a
            pending verify block (T <= 16) and for its commit (a replay of the block with g = 0,
-           beta = 0 past the accepted prefix: exact identity updates in the kernel); and the
+           beta = 0 past the accepted prefix: exact identity updates in the kernel; a model
+           without the short conv, kernel size 1, keeps the XLA path for these); and the
            chunked prefill kernel (pallas_kernels/kda_prefill.py) for every other T > 1 forward
            (prefill chunks) of a bfloat16 model with the safe gate (g >= -9 per token, which its
            in-chunk decay factors need) and head_dim 64 or 128. That kernel multiplies bf16 q / k / v (WGMMA operands), so
@@ -72,6 +73,10 @@ class KDAPendingFused:
     dt_bias: jax.Array   # [H, K]
     safe_gate: bool
     lower_bound: float
+
+
+# heads dim of the fused step's array arguments: proj, window, conv_w, A_log, dt_bias, beta, state
+_STEP_HEAD_AXES = (3, 3, 2, 0, 0, 2, 1)
 
 
 def _fused_decode(*args, **settings):
@@ -216,14 +221,13 @@ class KDA(nnx.Module):
     def _fused_step(self, proj, cache: KDAState, beta, s0, pending: bool, valid_len):
         """The fused Pallas step: (o [B, T, H, V], state after the block, or None for a verify)."""
         cfg = self.cfg
-        args = (proj, cache.conv, *self._step_params(), beta, s0)
+        args, head_axes = (proj, cache.conv, *self._step_params(), beta, s0), _STEP_HEAD_AXES
         settings = dict(safe_gate=cfg.kda_safe_gate, lower_bound=float(cfg.kda_lower_bound))
-        heads = dict(head_axes=(3, 3, 2, 0, 0, 2, 1))
         if pending:
-            return _pallas(_fused_verify, *args, **heads, out_head_axes=(4, 2), **settings), None
+            return _pallas(_fused_verify, *args, head_axes=head_axes, out_head_axes=(4, 2), **settings), None
         if valid_len is not None:          # padded tokens become identity updates
-            args, heads = args + (jnp.asarray(valid_len, jnp.int32),), dict(head_axes=heads["head_axes"] + (None,))
-        return _pallas(_fused_decode, *args, **heads, out_head_axes=((4, 2), (4, 1)), **settings)
+            args, head_axes = args + (jnp.asarray(valid_len, jnp.int32),), head_axes + (None,)
+        return _pallas(_fused_decode, *args, head_axes=head_axes, out_head_axes=((4, 2), (4, 1)), **settings)
 
     def _prefill_kernel(self, t: int, pending: bool, dtype) -> bool:
         """Whether a forward of t tokens runs the chunked prefill kernel (module docstring)."""
@@ -257,7 +261,7 @@ def commit_prefix(p: KDAPending | KDAPendingFused, n) -> KDAState:
     if isinstance(p, KDAPendingFused):
         s0 = widen_state(p.start.state, p.A_log.dtype)     # A_log is in the accumulation dtype
         s = _pallas(_fused_commit, p.proj, p.start.conv, p.conv_w, p.A_log, p.dt_bias, p.beta, s0,
-                    jnp.asarray(n, jnp.int32), head_axes=(3, 3, 2, 0, 0, 2, 1, None), out_head_axes=(4, 1),
+                    jnp.asarray(n, jnp.int32), head_axes=_STEP_HEAD_AXES + (None,), out_head_axes=(4, 1),
                     safe_gate=p.safe_gate, lower_bound=p.lower_bound)
         conv_in = jnp.concatenate([p.start.conv, p.proj[:, :, :3]], axis=1)     # as in KDA.__call__
     else:
