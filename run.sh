@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: finds Python >= 3.12, makes .venv, installs lingjax, runs.
 #   ./run.sh generate [ARGS]   python -m lingjax.generate on the embedded default model
-#   ./run.sh test [PYTEST ARGS] the test suite (what CI runs)
+#   ./run.sh test [PYTEST ARGS] the test suite (what CI runs; LINGJAX_TEST_WORKERS processes, default 2)
 #   ./run.sh python [ARGS]      the venv's python (e.g. ./run.sh python -m bench.batch1 --help)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -44,8 +44,10 @@ cmd=${1:-generate}; shift || true
 case "$cmd" in
   generate) exec "$venv/bin/python" -m lingjax.generate "$@" ;;
   test)
+    # test files spread over LINGJAX_TEST_WORKERS processes (default 2, the CI machine's cores); a
+    # file stays in one process, so its cached models and module fixtures are built once
     set +e
-    "$venv/bin/python" -m pytest -q "$@"
+    "$venv/bin/python" -m pytest -q -n "${LINGJAX_TEST_WORKERS:-2}" --dist loadfile "$@"
     rc=$?
     [ $rc -eq 5 ] && { echo "error: pytest collected no tests" >&2; exit 1; }
     exit $rc ;;
