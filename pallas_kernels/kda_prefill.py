@@ -27,11 +27,11 @@ parallel over (chunk, head) while the state pass is serial over chunks:
             ``cumsum`` does not lower); G_C (last row, fp32) is written out.
      Akk    = beta_i sum_d k_i k_j exp(G_i - G_j), j < i, and Aqk (j <= i, scale folded in q), by
             WGMMA over the head dim in 64-channel parts. exp(G_i - G_j) = exp(G_i - M) exp(M - G_j)
-            with M = G at the middle of each 16-token column block, one [64, 16] accumulator
-            slice per block; rows above the block are masked *before* the exp, so each factor is
-            at most exp(8 max|g|): fine for g >= -9 (below, factors reach fp32 subnormals and
-            lose precision); the safe gate keeps g > -5. Entries above the diagonal may overflow
-            and are selected away, never multiplied.
+            with M = G at the middle of each 16-token column block J: A += A_J B_J^T, B_J zero
+            outside block J's rows, so each column gets exactly its own block's term; rows above
+            the block are masked *before* the exp, so each factor is at most exp(8 max|g|): fine
+            for g >= -9 (below, factors reach fp32 subnormals and lose precision); the safe gate
+            keeps g > -5. Entries above the diagonal are selected away.
      T^-1   = (I + Akk)^-1 block-recursively: the inverse of the 2x2 diagonal blocks is I - L;
             for b = 2, 4, ..., 32 the inverse of the 2b-blocks is D - D E D (D: inverse so far,
             E: L's blocks below D's inside each 2b-block): 10 dependent 64x64x64 products, each
@@ -39,6 +39,9 @@ parallel over (chunk, head) while the state pass is serial over chunks:
             sub-inverse; the Neumann product (I - L)(I + L^2)...(I + L^32) is exact in theory
             but its powers of L grow combinatorially for correlated keys (1e+5 error at a mean
             key cosine of 0.8 in fp32), so it is not used.
+     Both of these run as loops (8 blocks, 5 levels), not unrolled Python: on the H200 the
+     unrolled kernel was instruction-fetch bound (Nsight Compute, session 12: half of its stall
+     cycles waiting on instruction fetch at 13.8 cycles per issued instruction).
      W = T^-1 diag(beta) (exp(G) k),  U = T^-1 diag(beta) v  (beta on T^-1's columns keeps v exact)
      Kd = k exp(G_C - G),  Qg = scale q exp(G),  Aqk.
    Outputs live in chunk space [N, H, 64, .] (N = ceil(T/64) + S - 1 slots, every sequence starts
@@ -273,35 +276,37 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     kf = lambda p: jnp.where(valid, _load(part(k_s, p)).astype(_F32) * k_scale(), 0.0)
     qf = lambda p: jnp.where(valid, _load(part(q_s, p)).astype(_F32) * q_scale(), 0.0)
     ref_row = lambda r, p: _load(g_s.at[r, pl.ds(p * KP, KP)], _COL)
-    refs = lambda p: [ref_row(SUB * J + SUB // 2 - 1, p) for J in range(C // SUB)]
     beta_of = _sigmoid if fused else (lambda x: x)
     bvec = jnp.where(plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=_ROW) < nt,
                      beta_of(_load(b_s, _ROW)), 0.0)
     beta_rows = _rows(bvec, KP)
 
-    # 2. Akk (strict) and Aqk (inclusive): per channel part, per 16-column block (own reference);
-    #    A tiles double-buffered so the next tile is built while the previous WGMMA runs.
+    # 2. Akk (strict) and Aqk (inclusive), one 16-token column block J at a time, each block with
+    #    its own decay reference M_J (G at the block's middle row): A += A_J B_J^T with
+    #    B_J = k_j exp(M_J - G_j) on the block's rows j (zeros elsewhere, so every column gets
+    #    exactly its own block's term) and A_J = k_i exp(G_i - M_J) (beta-scaled for Akk, q for
+    #    Aqk) on rows i >= 16 J. Exponents are masked before the exp, so nothing overflows.
+    #    The block loop is a loop, not unrolled Python: the kernel's instruction stream is what
+    #    limits it (the H200's Nsight Compute: half the stall cycles were instruction fetch).
     def intra(acc_kk, acc_qk):
-        n_mma = 0
-        for p in range(K // KP):
-            m = refs(p)
-            msel = _cols(m[0], C)                                  # each row's own reference
-            for J in range(1, C // SUB):
-                msel = jnp.where(row >= SUB * J, _cols(m[J], C), msel)
-            if p:
-                plgpu.wgmma_wait(0)                                # bc_s is rewritten
-            store(bc_s, (kf(p) * jnp.exp(msel - G(p))).astype(_BF))   # k_j exp(M_J(j) - G_j)
-            for J in range(C // SUB):
-                cols = pl.ds(SUB * J, SUB)
-                e = jnp.exp(jnp.where(row >= SUB * J, G(p) - _cols(m[J], C), -jnp.inf))
-                for acc, a_val in ((acc_kk, beta_rows * kf(p) * e), (acc_qk, qf(p) * e)):
-                    buf = n_mma % 2
-                    if n_mma >= 2:
-                        plgpu.wgmma_wait(1)                        # the MMA reading a_s[buf] is done
-                    store(a_s.at[buf], a_val.astype(_BF))
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc.at[:, cols], a_s.at[buf], bc_s.at[cols].transpose((1, 0)))
-                    n_mma += 1
+        def block(it, carry):                                      # it = (channel part, J)
+            p, r0 = it // (C // SUB), SUB * (it % (C // SUB))
+            m = _cols(ref_row(r0 + SUB // 2 - 1, p), C)
+            gp, kp = G(p), kf(p)
+            in_block = (row >= r0) & (row < r0 + SUB)
+            plgpu.wgmma_wait(0)                                    # the last MMAs read bc_s, a_s
+            store(bc_s, jnp.where(in_block, kp * jnp.exp(jnp.where(in_block, m - gp, 0.0)),
+                                  0.0).astype(_BF))
+            e = jnp.exp(jnp.where(row >= r0, gp - m, -jnp.inf))
+            store(a_s.at[0], (beta_rows * kp * e).astype(_BF))
+            store(a_s.at[1], (qf(p) * e).astype(_BF))
+            plgpu.commit_smem()
+            b_t = bc_s.transpose((1, 0))
+            plgpu.wgmma(acc_kk, a_s.at[0], b_t)
+            plgpu.wgmma(acc_qk, a_s.at[1], b_t)
+            return carry
+
+        lax.fori_loop(jnp.int32(0), jnp.int32(K // KP * C // SUB), block, 0)
         return acc_kk[...], acc_qk[...]
 
     akk, aqk = pl.run_scoped(intra, plgpu.ACC((C, C), _F32), plgpu.ACC((C, C), _F32))
@@ -339,16 +344,18 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     xor = jnp.bitwise_xor(ri, ci)                                  # < 2b: same 2b-block
     lower = ri > ci
     d = jnp.where(ri == ci, 1.0, 0.0) - jnp.where(lower & (xor < 2), akk, 0.0)
-    b = 2
-    while b < C:
+
+    def level(i, d):                                               # b = 2, 4, ..., C / 2
+        b = lax.shift_left(jnp.int32(2), i)
         _split_store(d_op, d)
         _split_store(e_op, jnp.where(lower & (xor >= b) & (xor < 2 * b), akk, 0.0))
         plgpu.commit_smem()
         de = mm3(d_op, e_op)
         _split_store(e_op, de)                                     # E is consumed
         plgpu.commit_smem()
-        d = d - mm3(e_op, d_op)
-        b *= 2
+        return d - mm3(e_op, d_op)
+
+    d = lax.fori_loop(jnp.int32(0), jnp.int32(C.bit_length() - 2), level, d)
 
     # 5. W = T^-1 diag(beta) (exp(G) k), U = T^-1 diag(beta) v, in place of their right-hand
     #    sides; Aqk is staged in E's (now free) buffer.
@@ -443,6 +450,7 @@ def _prep(tok0, ntok, q, k, v, g, beta_t, gate, scale, interpret):
         scratch_types=tuple(scratch),
         grid=(N, H),
         grid_names=("n", "h"),
+        kernel_name="kda_prefill_prep",     # the kernel's name in profiles
         compiler_params=plgpu.CompilerParams(**_PARAMS),
         interpret=interpret if interpret else None,
     )(*args)
@@ -572,6 +580,7 @@ def _state(clo, chi, cu, w, u, kd, qg, aqk, gc, s0, T, bv, out_dtype, interpret)
         ),
         grid=(S, H, V // bv),
         grid_names=("s", "h", "j"),
+        kernel_name="kda_prefill_state",
         compiler_params=plgpu.CompilerParams(**_PARAMS),
         interpret=interpret if interpret else None,
     )(*args)

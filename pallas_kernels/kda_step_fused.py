@@ -247,6 +247,7 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         ),
         grid=(B, H, V // bv),
         grid_names=("b", "h", "v"),
+        kernel_name="kda_fused_step",       # the kernel's name in profiles
         interpret=interpret if interpret else None,
     )
     outs = kernel(proj, proj_v, window, window_v, conv_w, conv_v, A_log, dt_bias, beta_p, n_tok, state)
