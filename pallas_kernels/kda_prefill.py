@@ -289,24 +289,27 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     #    The block loop is a loop, not unrolled Python: the kernel's instruction stream is what
     #    limits it (the H200's Nsight Compute: half the stall cycles were instruction fetch).
     def intra(acc_kk, acc_qk):
-        def block(it, carry):                                      # it = (channel part, J)
-            p, r0 = it // (C // SUB), SUB * (it % (C // SUB))
-            m = _cols(ref_row(r0 + SUB // 2 - 1, p), C)
-            gp, kp = G(p), kf(p)
-            in_block = (row >= r0) & (row < r0 + SUB)
-            plgpu.wgmma_wait(0)                                    # the last MMAs read bc_s, a_s
-            store(bc_s, jnp.where(in_block, kp * jnp.exp(jnp.where(in_block, m - gp, 0.0)),
-                                  0.0).astype(_BF))
-            e = jnp.exp(jnp.where(row >= r0, gp - m, -jnp.inf))
-            store(a_s.at[0], (beta_rows * kp * e).astype(_BF))
-            store(a_s.at[1], (qf(p) * e).astype(_BF))
-            plgpu.commit_smem()
-            b_t = bc_s.transpose((1, 0))
-            plgpu.wgmma(acc_kk, a_s.at[0], b_t)
-            plgpu.wgmma(acc_qk, a_s.at[1], b_t)
-            return carry
+        for p in range(K // KP):
+            # This part's tiles, loaded once (unswizzled SMEM: 8-way bank conflicts per load).
+            gp, kp, qp = G(p), kf(p), qf(p)
 
-        lax.fori_loop(jnp.int32(0), jnp.int32(K // KP * C // SUB), block, 0)
+            def block(J, carry, p=p, gp=gp, kp=kp, qp=qp):
+                r0 = SUB * J
+                m = _cols(ref_row(r0 + SUB // 2 - 1, p), C)
+                in_block = (row >= r0) & (row < r0 + SUB)
+                plgpu.wgmma_wait(0)                                # the last MMAs read bc_s, a_s
+                store(bc_s, jnp.where(in_block, kp * jnp.exp(jnp.where(in_block, m - gp, 0.0)),
+                                      0.0).astype(_BF))
+                e = jnp.exp(jnp.where(row >= r0, gp - m, -jnp.inf))
+                store(a_s.at[0], (beta_rows * kp * e).astype(_BF))
+                store(a_s.at[1], (qp * e).astype(_BF))
+                plgpu.commit_smem()
+                b_t = bc_s.transpose((1, 0))
+                plgpu.wgmma(acc_kk, a_s.at[0], b_t)
+                plgpu.wgmma(acc_qk, a_s.at[1], b_t)
+                return carry
+
+            lax.fori_loop(jnp.int32(0), jnp.int32(C // SUB), block, 0)
         return acc_kk[...], acc_qk[...]
 
     akk, aqk = pl.run_scoped(intra, plgpu.ACC((C, C), _F32), plgpu.ACC((C, C), _F32))
@@ -319,11 +322,12 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     plgpu.barrier_wait(bars.at[4])
     store(rv_s, jnp.where(_iota((C, V), 0) < nt, _load(v_s), 0.0).astype(_BF))
     for p in range(K // KP):
-        eg = jnp.exp(G(p))
+        gp, kp = G(p), kf(p)
+        eg = jnp.exp(gp)
         g_last = _cols(ref_row(C - 1, p), C)
-        store(part(rw_s, p), (kf(p) * eg).astype(_BF))
+        store(part(rw_s, p), (kp * eg).astype(_BF))
         store(part(q_s, p), (qf(p) * eg).astype(_BF))
-        store(part(k_s, p), (kf(p) * jnp.exp(g_last - G(p))).astype(_BF))
+        store(part(k_s, p), (kp * jnp.exp(g_last - gp)).astype(_BF))
 
     # 4. (I + Akk)^-1, block-recursively: D = inverse of the 2x2 diagonal blocks (I - L there),
     #    then for b = 2, 4, ..., 32 the inverse of the 2b-blocks is D - D E D, E = L's blocks
