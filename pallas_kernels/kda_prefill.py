@@ -63,23 +63,17 @@ Accuracy: fp32 cumsum, decay factors, inverse and state; bf16 MMA operands for t
 k, q factors, W, U, Kd, Qg, Aqk (as FLA's chunk kernel). Relative RMSE vs float64 ~3e-3 on random
 inputs (bar 5e-3); keys with a mean cosine near 1 and almost no decay reach ~9e-3.
 
-Status: first H200 run (jax 0.11.2): 2 of the 4 GPU checks failed with
-CUDA_ERROR_ILLEGAL_INSTRUCTION (which ones was not recorded; the error poisons the CUDA context,
-so every later test of the process fails too); ptxas reported 148-byte spills in one variant.
-The cause, beta's TMA box starting at token cu[s] + 64 i on the innermost global dimension
-(not 16-byte aligned for cu[s] % 4 != 0, e.g. GPU_CHECKS' cu = [0, 1000, 1001, 8192]), is fixed
-here (chunk-space beta); the second H200 run (session 4, bench/kda_prefill_debug.py, each check
-and stage in its own process) passed T100, T8192 and the packed T8192 with no fault (RMSE 3.3e-3
-vs float64), at 2.3-3.0 ms per warm call for T=8192 (target 0.55 ms; kernel 1: 255 registers,
-148-byte spills). Used by the model for bf16 prefill under ``kda_kernel="pallas"``; in the model on
-the H200 (session 5) the switch tests pass and a 6-layer fp8 model's 1024-token TTFT fell from 116
-to 93 ms. Each call site carries the serialized module (kernel 1: 1.91 MB of HLO text at K = V =
-128, bench/kernel_module_size.py), and a full-depth prefill program with 35 of them took 5 min
-47 s to compile on the H200. Checked on CPU (jax 0.12.0.1 and
-0.11.2): interpret mode with race detection vs lingjax.ops.kda and the float64 oracle;
-cross-lowering for CUDA at H=32, K=V=128 (tests/test_pallas_kda_prefill.py). Speed:
-bench/kda_prefill_timing.py. Expected costs: kernel 1 runs ~7 exps per (token, head, channel)
-and loads unswizzled tiles (bank conflicts); kernel 2 is latency-bound.
+Status: checked on the H200 (jax 0.11.2; the GPU_CHECKS below, packed sequences starting at any
+token included; relative RMSE vs float64 3.3e-3 on outputs, 2.0e-3 on the final state at T=8192)
+and on CPU (jax 0.12 and 0.11.2: interpret mode with race detection vs lingjax.ops.kda and the
+float64 oracle, cross-lowering for CUDA at H=32, K=V=128; tests/test_pallas_kda_prefill.py). Used
+by the model's bf16 / fp8 prefill chunks under ``kda_kernel="pallas"``. Speed
+(bench/kda_prefill_timing.py, session 12): T=8192 1.03 ms (kernel 1 0.70, kernel 2 0.37), T=65536
+7.5 ms; FLA 1.09 / 8.25, targets 0.55 / 4.1. Known limits: kernel 1 uses 255 registers (2 CTAs
+per SM, as its 107.6 KiB of SMEM) and its unswizzled q, k, G tiles cost 8-way bank conflicts per
+load; kernel 2 has one CTA per SM and is latency-bound (2.9 us per chunk). History: a beta TMA box
+starting at an unaligned token faulted on the GPU (fixed: chunk-space beta); unrolled Python loops
+made kernel 1 instruction-fetch bound (1.48 ms; fixed: fori_loops).
 
 API notes (same in jax 0.11.2 and 0.12): Lane lowering semantics, set explicitly (the default,
 Warpgroup, rejects a dynamic TMA start into tiled SMEM); TMA into tiled SMEM needs 8-aligned rows,
