@@ -280,8 +280,7 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     #    B_J = k_j exp(M_J - G_j) on the block's rows j (zeros elsewhere, so every column gets
     #    exactly its own block's term) and A_J = k_i exp(G_i - M_J) (beta-scaled for Akk, q for
     #    Aqk) on rows i >= 16 J. Exponents are masked before the exp, so nothing overflows.
-    #    The block loop is a loop, not unrolled Python: the kernel's instruction stream is what
-    #    limits it (the H200's Nsight Compute: half the stall cycles were instruction fetch).
+    #    A loop, not unrolled Python (see the module docstring: instruction fetch).
     def intra(acc_kk, acc_qk):
         for p in range(K // KP):
             # This part's tiles, loaded once (unswizzled SMEM: 8-way bank conflicts per load).
