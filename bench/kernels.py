@@ -96,15 +96,12 @@ def floor_bytes(case: Case, xs, state) -> int:
 
 def xla_path(case: Case, xs, s):
     """What the model's XLA path computes for the case (lingjax/model/kda.py): (o, state) / (o, s) / (state,)."""
-    import jax
     import jax.numpy as jnp
     from lingjax.ops import kda as ops
     proj, window, conv_w, A_log, dt_bias, beta = xs
     T = proj.shape[1]
-    qkv = jax.nn.silu(ops.causal_conv(jnp.concatenate([window, proj[:, :, :3]], axis=1), conv_w, T))
-    q, k = ops.l2_normalize(qkv[:, :, 0]), ops.l2_normalize(qkv[:, :, 1])
-    v = qkv[:, :, 2].astype(q.dtype)
-    g = ops.kda_gate(proj[:, :, 3], A_log, dt_bias.reshape(-1))
+    q, k, v, g = ops.kda_block_inputs(jnp.concatenate([window, proj[:, :, :3]], axis=1), proj[:, :, 3],
+                                      conv_w, A_log, dt_bias)
     if case.commit:
         return (ops.kda_state_after_prefix(s, k, v, g, beta, jnp.int32(COMMIT_N)),)
     if T == 1:

@@ -41,7 +41,6 @@ from lingjax.config import LingConfig
 from lingjax.model import dense, kernels
 from lingjax.model.common import acc_dtype, param, rms_norm
 from lingjax.ops import kda as kda_ops
-from lingjax.ops.kda import causal_conv
 from pallas_kernels import kda_prefill, kda_step_fused
 
 KDA_KERNELS = ("xla", "pallas")
@@ -178,12 +177,9 @@ class KDA(nnx.Module):
         if self._step_kernel(t, pending):
             o, s = self._fused_step(proj, cache, beta, s0, pending, valid_len)
         else:
-            qkv = jax.nn.silu(causal_conv(conv_in, self.conv[...], t))
-            q = kda_ops.l2_normalize(qkv[:, :, 0])
-            k = kda_ops.l2_normalize(qkv[:, :, 1])
-            v = qkv[:, :, 2].astype(acc)
-            g = kda_ops.kda_gate(proj[:, :, 3], self.A_log[...], self.dt_bias[...].reshape(-1),
-                                 safe_gate=cfg.kda_safe_gate, lower_bound=cfg.kda_lower_bound)
+            q, k, v, g = kda_ops.kda_block_inputs(conv_in, proj[:, :, 3], self.conv[...], self.A_log[...],
+                                                  self.dt_bias[...], safe_gate=cfg.kda_safe_gate,
+                                                  lower_bound=cfg.kda_lower_bound)
             if valid_len is not None:
                 real = jnp.arange(t) < valid_len
                 g = jnp.where(real[None, :, None, None], g, 0.0)

@@ -224,11 +224,27 @@ def kda_recurrent_numpy(q, k, v, g, beta, initial_state=None, scale=None):
 # ----------------------------------------------------------------------------- fused decode step
 
 
+def kda_block_inputs(conv_in, f, conv_w, A_log, dt_bias, *, safe_gate=True, lower_bound=-5.0):
+    """A KDA layer's recurrence inputs for a block of T tokens: conv + SiLU on q, k, v, L2-normalised
+    q, k and the gate (what the model's XLA path, kda_fused_step and bench.kernels share).
+
+    conv_in [B, ks-1+T, 3, H, K]: the conv window, then the block's q, k, v projections; f [B, T, H, K]
+    the gate projection; conv_w [ks, 3, H, K]; A_log [H]; dt_bias [H, K] or [H*K].
+    Returns q, k, v, g [B, T, H, K] in the accumulation dtype (fp32, fp64 for fp64 inputs).
+    """
+    qkv = jax.nn.silu(causal_conv(conv_in, conv_w, f.shape[1]))
+    q = l2_normalize(qkv[:, :, 0])
+    k = l2_normalize(qkv[:, :, 1])
+    v = qkv[:, :, 2].astype(q.dtype)
+    g = kda_gate(f, A_log, dt_bias.reshape(-1), safe_gate=safe_gate, lower_bound=lower_bound)
+    return q, k, v, g
+
+
 def kda_fused_step(proj, window, conv_w, A_log, dt_bias, beta, state, n=None, *, safe_gate=True,
                    lower_bound=-5.0, scale=None):
     """What a KDA layer computes between its input projection and its output norm for a short block
-    (the XLA reference of pallas_kernels.kda_step_fused): conv + SiLU on q, k, v, L2-normalised q, k,
-    the gate, then the recurrence from `state`.
+    (the XLA reference of pallas_kernels.kda_step_fused): :func:`kda_block_inputs`, then the
+    recurrence from `state`.
 
     proj [B,T,P,H,K] (channels q, k, v, f, ...); window [B,ks-1,3,H,K] conv history; conv_w
     [ks,3,H,K]; A_log [H]; dt_bias [H,K]; beta [B,T,H] (sigmoid applied); state [B,H,K,V]; n (traced
@@ -237,11 +253,8 @@ def kda_fused_step(proj, window, conv_w, A_log, dt_bias, beta, state, n=None, *,
     """
     T = proj.shape[1]
     conv_in = jnp.concatenate([window.astype(proj.dtype), proj[:, :, :3]], axis=1)
-    qkv = jax.nn.silu(causal_conv(conv_in, conv_w, T))
-    q = l2_normalize(qkv[:, :, 0])
-    k = l2_normalize(qkv[:, :, 1])
-    v = qkv[:, :, 2].astype(q.dtype)
-    g = kda_gate(proj[:, :, 3], A_log, dt_bias.reshape(-1), safe_gate=safe_gate, lower_bound=lower_bound)
+    q, k, v, g = kda_block_inputs(conv_in, proj[:, :, 3], conv_w, A_log, dt_bias,
+                                  safe_gate=safe_gate, lower_bound=lower_bound)
     if n is not None:
         keep = jnp.arange(T) < n
         g = jnp.where(keep[None, :, None, None], g, 0)
