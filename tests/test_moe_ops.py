@@ -270,7 +270,7 @@ def _distinct_idx(rng, n, e, k):
 
 
 gather_jit = jax.jit(experts_gather, static_argnames=("limit",))
-sorted_jit = jax.jit(experts_sorted_blocks, static_argnames=("limit", "block", "blocks_per_step"))
+sorted_jit = jax.jit(experts_sorted_blocks, static_argnames=("limit", "block"))
 dense_jit = jax.jit(experts_dense, static_argnames=("limit",))
 
 
@@ -300,10 +300,9 @@ def test_experts_paths_agree(n, limit):
         np.testing.assert_allclose(dense, ref, rtol=1e-12, atol=1e-12, err_msg=case)
         gathered = np.asarray(gather_jit(*args, limit=limit))
         np.testing.assert_allclose(gathered, ref, rtol=1e-12, atol=1e-12, err_msg=case)
-        for block, per_step in ((1, 1), (1, 8), (4, 1), (4, 3), (64, 8)):
-            got = np.asarray(sorted_jit(*args, limit=limit, block=block, blocks_per_step=per_step))
-            np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12,
-                                       err_msg=f"{case} block={block} blocks_per_step={per_step}")
+        for block in (1, 4, 64):
+            got = np.asarray(sorted_jit(*args, limit=limit, block=block))
+            np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12, err_msg=f"{case} block={block}")
 
 
 def test_experts_swiglu_limit_is_active():
@@ -353,11 +352,3 @@ def test_moe_layer_gather_and_sorted_paths_agree(monkeypatch):
         monkeypatch.setattr(mlp_mod, "MOE_GATHER_MAX_TOKENS", limit)
         res.append(np.asarray(jax.jit(lambda x: layer(x))(x)))
     assert rel(res[0], res[1]) <= 1e-12
-
-
-def test_sorted_blocks_rejects_bad_block_settings():
-    x, idx, w = jnp.ones((2, 4)), jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1))
-    wgu, wd = jnp.ones((2, 2, 3, 4)), jnp.ones((2, 4, 3))
-    for kw in ({"block": 0}, {"blocks_per_step": 0}):
-        with pytest.raises(ValueError, match="must be >= 1"):
-            experts_sorted_blocks(x, idx, w, wgu, wd, **kw)

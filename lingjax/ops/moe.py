@@ -170,21 +170,13 @@ def experts_gather(x, idx, weight, w_gate_up, w_down, limit=None):
     return jnp.einsum("nkd,nk->nd", y.astype(acc), weight.astype(acc)).astype(x.dtype)
 
 
-def experts_sorted_blocks(x, idx, weight, w_gate_up, w_down, limit=None, block: int = 64,
-                          blocks_per_step: int = 8):
+def experts_sorted_blocks(x, idx, weight, w_gate_up, w_down, limit=None, block: int = 64):
     """Same function as `experts_gather` for large N (prefill), without per-token weight copies.
 
     The N*k assignments are sorted by expert and packed into blocks of `block` rows, each block
     holding one expert's tokens (padded); a scan over the static upper bound of blocks
-    ceil(N*k/block) + E runs `blocks_per_step` blocks per step as one batched GEMM pair, each block
-    with its own expert's weights (gathered, and dequantised for fp8, per step: blocks_per_step
-    experts at a time). Steps past the used blocks are skipped. One block per step was ~10 XLA
-    kernels per 64 rows: ~770 steps per layer for a 2048-token chunk of Ling-3.0-flash. The blocks'
-    outputs are added to the tokens in block order (one scatter-add per block, so no scatter sees
-    a token twice and the sum order is fixed, as with one block per step).
+    ceil(N*k/block) + E gathers one expert's weights per block. Unused blocks are skipped.
     """
-    if block < 1 or blocks_per_step < 1:
-        raise ValueError(f"block={block} and blocks_per_step={blocks_per_step} must be >= 1")
     n, k = idx.shape
     w_gate_up, w_down = _param_like(w_gate_up), _param_like(w_down)
     e = w_gate_up.shape[0]
@@ -199,33 +191,27 @@ def experts_sorted_blocks(x, idx, weight, w_gate_up, w_down, limit=None, block: 
     pcounts = (counts + block - 1) // block * block
     pstarts = jnp.cumsum(pcounts) - pcounts
     slot = pstarts[se] + (jnp.arange(a) - starts[se])                      # padded slot of each row
-    g = blocks_per_step
-    n_steps = -(-(-(-a // block) + e) // g)
-    n_blocks = n_steps * g
+    n_blocks = -(-a // block) + e
     p = n_blocks * block
-    slot_tok = jnp.zeros((p,), jnp.int32).at[slot].set(st).reshape(n_steps, g, block)
-    slot_w = jnp.zeros((p,), sw.dtype).at[slot].set(sw).reshape(n_steps, g, block)
+    slot_tok = jnp.zeros((p,), jnp.int32).at[slot].set(st)
+    slot_w = jnp.zeros((p,), sw.dtype).at[slot].set(sw)
     block_expert = jnp.searchsorted(jnp.cumsum(pcounts), jnp.arange(n_blocks) * block, side="right")
-    block_expert = jnp.minimum(block_expert, e - 1).reshape(n_steps, g)  # unused blocks: weight 0
     used_blocks = pcounts.sum() // block
     acc = acc_dtype(x.dtype)
 
-    def body(out, step):
-        i, toks, ws, ex = step
-
+    def body(out, b):
         def run(out):
-            gu = take_rows(w_gate_up, ex)                                  # [g, 2, F, D]
-            xb = x[toks].astype(gu.dtype)                                  # [g, block, D]
-            h = jnp.einsum("gtd,gcfd->gtcf", xb, gu)
-            y = jnp.einsum("gtf,gdf->gtd", swiglu(h[:, :, 0], h[:, :, 1], limit), take_rows(w_down, ex))
-            y = y.astype(acc) * ws[..., None].astype(acc)
-            for j in range(g):                                             # block order, as one per step
-                out = out.at[toks[j]].add(y[j])
-            return out
-        return jax.lax.cond(i * g < used_blocks, run, lambda o: o, out), None
+            ex = jnp.minimum(block_expert[b], e - 1)
+            toks = jax.lax.dynamic_slice_in_dim(slot_tok, b * block, block)
+            ws = jax.lax.dynamic_slice_in_dim(slot_w, b * block, block)
+            gu = take_rows(w_gate_up, ex)                            # [2, F, D]
+            xb = x[toks].astype(gu.dtype)
+            h = jnp.einsum("td,cfd->tcf", xb, gu)
+            y = jnp.einsum("tf,df->td", swiglu(h[:, 0], h[:, 1], limit), take_rows(w_down, ex))
+            return out.at[toks].add(y.astype(acc) * ws[:, None].astype(acc))
+        return jax.lax.cond(b < used_blocks, run, lambda o: o, out), None
 
-    steps = (jnp.arange(n_steps), slot_tok, slot_w, block_expert)
-    out, _ = jax.lax.scan(body, jnp.zeros((n, x.shape[-1]), acc), steps)
+    out, _ = jax.lax.scan(body, jnp.zeros((n, x.shape[-1]), acc), jnp.arange(n_blocks))
     return out.astype(x.dtype)
 
 
