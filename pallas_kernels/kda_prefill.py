@@ -39,7 +39,7 @@ parallel over (chunk, head) while the state pass is serial over chunks:
             sub-inverse; the Neumann product (I - L)(I + L^2)...(I + L^32) is exact in theory
             but its powers of L grow combinatorially for correlated keys (1e+5 error at a mean
             key cosine of 0.8 in fp32), so it is not used.
-     Both of these run as loops (8 blocks, 5 levels), not unrolled Python: on the H200 the
+     Both of these run as loops (4 blocks per 64-channel part, 5 levels), not unrolled Python: on the H200 the
      unrolled kernel was instruction-fetch bound (Nsight Compute, session 12: half of its stall
      cycles waiting on instruction fetch at 13.8 cycles per issued instruction).
      W = T^-1 diag(beta) (exp(G) k),  U = T^-1 diag(beta) v  (beta on T^-1's columns keeps v exact)
