@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(--profile-tokens long, loop compiled without CUDA graphs so every kernel is "
                          "traced) into DIR/<row>/ and print a per-component breakdown of a step")
     ap.add_argument("--profile-tokens", type=int, default=64, help="output tokens of the profiled request")
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="with --profile: also trace that request's prefill (compiled without CUDA graphs) "
+                         "into DIR/<row>/prefill/ and break the TTFT down by component and kernel")
     ap.add_argument("--profile-spec", type=_spec_list, default=None, metavar="METHODS",
                     help="with --profile: profile only these methods' rows (default: every method in --spec; "
                          "each profiled method compiles its loop once more)")
@@ -161,6 +164,8 @@ def _check_args(ap, a) -> None:
         ap.error("--profile-tokens must be >= 2")
     if a.profile_spec is not None and not a.profile:
         ap.error("--profile-spec needs --profile DIR")
+    if a.profile_prefill and not a.profile:
+        ap.error("--profile-prefill needs --profile DIR")
     if a.profile_spec is not None and set(a.profile_spec) - set(a.spec):
         ap.error(f"--profile-spec {','.join(a.profile_spec)}: only methods given to --spec can be profiled "
                  f"(--spec {','.join(a.spec)})")
@@ -390,6 +395,10 @@ def main(argv=None) -> dict:
         executable's HLO to hlo_path (both for the profile breakdown). compiled: this row's
         (prefill, loop) executables from compile_ahead, for output_len == --output-len."""
         prompt, override, key, step_cost = request_inputs(dec, pattern, output_len)
+        prefill_profile = None
+        if trace_dir is not None and a.profile_prefill:
+            prefill_profile = _trace_prefill(dec, (dec.params, prompt, a.output_len, jnp.int32(output_len), key,
+                                                   samp, step_cost), Path(trace_dir) / "prefill")
         t = time.perf_counter()
         if compiled is not None:
             prefill_exe, run = compiled
@@ -413,7 +422,8 @@ def main(argv=None) -> dict:
         n_out, steps, acc, hist, pos = jax.device_get((sd.n_out, sd.steps, sd.accepted, sd.accept_hist,
                                                        sd.pos_accepted))
         return {"ttft": t1 - t, "decode": t2 - t1, "n_out": int(n_out), "steps": int(steps),
-                "accepted": int(acc), "hist": np.asarray(hist), "pos": np.asarray(pos)}
+                "accepted": int(acc), "hist": np.asarray(hist), "pos": np.asarray(pos),
+                "prefill_profile": prefill_profile}
 
     def taus_of(method):
         return [None] if method == "none" or not a.forced_accept else a.forced_accept
@@ -588,8 +598,41 @@ def _profile_row(a, dec, pattern, one_request, rec) -> dict:
     extra = (f"\nprofiled run (no CUDA graphs, {time.perf_counter() - t:.0f}s incl. compile): model kernels "
              f"{model:.0f} us/step of the timed {step_us:.0f} us/step -> {100 * (1 - model / step_us):.1f}% of "
              f"a step outside the model's kernels (accept/commit/other kernels, launch gaps, idle)")
-    return {"dir": str(d), "table": pb.format_table(b) + extra, "model_kernels_us_per_step": model,
-            "outside_model_share": 1 - model / step_us, **b.as_dict()}
+    out = {"dir": str(d), "table": pb.format_table(b) + extra, "model_kernels_us_per_step": model,
+           "outside_model_share": 1 - model / step_us, **b.as_dict()}
+    pp = r["prefill_profile"]
+    if pp is not None:
+        try:
+            bp = pb.breakdown(pp["dir"], [Path(pp["hlo"]).read_text()], steps=None, window_event="batch1_prefill",
+                              top=12)
+        except pb.ProfileBreakdownError as e:
+            out["prefill"] = {"error": str(e)}
+            out["table"] += f"\nprefill profile breakdown failed: {e}"
+        else:
+            out["prefill"] = {"dir": pp["dir"], "wall_ms": pp["wall_s"] * 1e3, **bp.as_dict()}
+            out["table"] += (f"\nprefill of {a.input_len} tokens, traced without CUDA graphs: "
+                             f"{pp['wall_s'] * 1e3:.1f} ms wall (the timed TTFT, with graphs: "
+                             f"{rec['ttft_ms']['mean']:.1f} ms)\n" + pb.format_table(bp))
+    return out
+
+
+def _trace_prefill(dec, args, trace_dir: Path) -> dict:
+    """args: dec.prefill's positional arguments (the third, max_new, static). Compile dec.prefill without command buffers (kernels inside CUDA graphs are mostly missing
+    from device traces), warm it up, trace one call under the 'batch1_prefill' annotation and save
+    its HLO for the breakdown. Returns {"dir", "hlo", "wall_s"} (wall of the traced call)."""
+    import jax
+    from bench.common import block
+    from bench.profile_breakdown import dump_hlo
+    exe = dec.prefill.lower(*args).compile(compiler_options={"xla_gpu_enable_command_buffer": ""})
+    hlo = dump_hlo(exe, trace_dir / "prefill.hlo.txt")
+    call_args = args[:2] + args[3:]                  # the compiled call takes no static max_new
+    block(exe(*call_args))                                                # warm-up
+    with jax.profiler.trace(str(trace_dir)):
+        t = time.perf_counter()
+        with jax.profiler.TraceAnnotation("batch1_prefill"):
+            block(exe(*call_args))
+        wall = time.perf_counter() - t
+    return {"dir": str(trace_dir), "hlo": str(hlo), "wall_s": wall}
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ def test_batch1_smoke(tmp_path, capsys, spec, tau, block, dtype):
     (["--spec", "mtp", "--forced-accept", "0.5"], "outside 1..block+1"),
     (["--spec", "none,eagle"], "expected none, mtp, dspark"),
     (["--spec", "none", "--profile-spec", "none"], "needs --profile"),
+    (["--spec", "none", "--profile-prefill"], "needs --profile"),
     (["--spec", "none", "--profile", "p", "--profile-spec", "dspark"], "only methods given to --spec"),
     (["--approx", "none", "--approx", "off"], "the same modes twice"),
     (["--approx", "bf16_kda_state", "--approx", "fp16_all"], "unknown approx mode"),
@@ -121,7 +122,7 @@ def test_batch1_profile_breakdown(tmp_path, capsys):
     device time to components."""
     rec = batch1.main(BASE + ["--spec", "none,dspark", "--block-size", "4", "--forced-accept", "3", "--out",
                               str(tmp_path), "--profile", str(tmp_path / "prof"), "--profile-tokens", "8",
-                              "--profile-spec", "dspark"])
+                              "--profile-spec", "dspark", "--profile-prefill"])
     plain, spec = rec["rows"]
     assert "profile" not in plain and not (tmp_path / "prof" / "none").exists()
     prof = spec["profile"]
@@ -129,7 +130,13 @@ def test_batch1_profile_breakdown(tmp_path, capsys):
     for comp in ("kda", "mla", "moe", "draft", "lm_head"):
         assert prof["total_us"][comp] > 0, comp
     assert (tmp_path / "prof" / "dspark-tau3" / "run.hlo.txt").exists()
-    assert "kda" in capsys.readouterr().out
+    pre = prof["prefill"]                       # --profile-prefill: the TTFT's breakdown
+    assert pre["wall_ms"] > 0 and pre["steps"] is None
+    for comp in ("kda", "mla", "moe", "embed"):
+        assert pre["total_us"][comp] > 0, comp
+    assert (tmp_path / "prof" / "dspark-tau3" / "prefill" / "prefill.hlo.txt").exists()
+    out = capsys.readouterr().out
+    assert "kda" in out and "traced without CUDA graphs" in out
 
 
 def test_batch1_embedded_model_smoke(tmp_path):
