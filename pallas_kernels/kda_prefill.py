@@ -20,7 +20,9 @@ Chunks of C = 64 tokens (the WGMMA M tile). Two kernels, because the intra-chunk
 parallel over (chunk, head) while the state pass is serial over chunks:
 
 1. ``_prep`` -- grid (chunk slot, head), one warpgroup. TMA-loads the chunk's rows of q, k, v, g
-   (or f) into unswizzled SMEM (a chunk may start at any token; TMA zero-fills past T) and its
+   (or f) into unswizzled SMEM rows of K + PAD elements (a chunk may start at any token, which
+   rules out swizzled tiles; the padded row stride keeps the tile loads free of bank conflicts;
+   TMA zero-fills past T and past the last head's columns) and its
    beta from a chunk-space copy [H, N * 64] (see ``_beta_chunks``: in token space the box would
    start at an unaligned innermost coordinate), zeroes the rows past the sequence's end, then:
      G      in-chunk cumulative log decay, in place in SMEM by a 64-step fp32 row loop (exact;
@@ -43,10 +45,10 @@ parallel over (chunk, head) while the state pass is serial over chunks:
      unrolled kernel was instruction-fetch bound (Nsight Compute, session 12: half of its stall
      cycles waiting on instruction fetch at 13.8 cycles per issued instruction).
      W = T^-1 diag(beta) (exp(G) k),  U = T^-1 diag(beta) v  (beta on T^-1's columns keeps v exact)
-     Kd = k exp(G_C - G),  Qg = scale q exp(G),  Aqk.
+     Kd = k exp(G_C - G),  Qg = scale q exp(G),  Aqk (stored as soon as it is final).
    Outputs live in chunk space [N, H, 64, .] (N = ceil(T/64) + S - 1 slots, every sequence starts
    a chunk, unused slots are zeros), so kernel 2 reads aligned, swizzled tiles. SMEM is reused
-   phase by phase through RefUnions: ~106 KiB, so two CTAs fit on an SM.
+   phase by phase through RefUnions: ~110 KiB, so two CTAs fit on an SM.
 2. ``_state`` -- grid (sequence, head, V block of ``block_v``), one warpgroup, serial loop over
    the sequence's chunks with the fp32 state tile S [K, block_v] in registers:
      V' = U - W S;  O = Qg S + Aqk V';  S <- exp(G_C) S + Kd^T V'
@@ -68,12 +70,12 @@ token included; relative RMSE vs float64 3.3e-3 on outputs, 2.0e-3 on the final 
 and on CPU (jax 0.12 and 0.11.2: interpret mode with race detection vs lingjax.ops.kda and the
 float64 oracle, cross-lowering for CUDA at H=32, K=V=128; tests/test_pallas_kda_prefill.py). Used
 by the model's bf16 / fp8 prefill chunks under ``kda_kernel="pallas"``. Speed
-(bench/kda_prefill_timing.py, session 12): T=8192 1.03 ms (kernel 1 0.70, kernel 2 0.37), T=65536
-7.5 ms; FLA 1.09 / 8.25, targets 0.55 / 4.1. Known limits: kernel 1 uses 255 registers (2 CTAs
-per SM, as its 107.6 KiB of SMEM) and its unswizzled q, k, G tiles cost 8-way bank conflicts per
-load; kernel 2 has one CTA per SM and is latency-bound (2.9 us per chunk). History: a beta TMA box
-starting at an unaligned token faulted on the GPU (fixed: chunk-space beta); unrolled Python loops
-made kernel 1 instruction-fetch bound (1.48 ms; fixed: fori_loops).
+(bench/kda_prefill_timing.py, session 13): T=8192 0.99 ms (kernel 1 0.66, kernel 2 0.38), T=65536
+7.2 ms; FLA 1.09 / 8.25, targets 0.55 / 4.1. Known limits: kernel 1 used 255 registers (2 CTAs
+per SM, as its SMEM) in session 12; kernel 2 has one CTA per SM and is latency-bound (2.9 us per
+chunk). History: a beta TMA box starting at an unaligned token faulted on the GPU (fixed:
+chunk-space beta); unrolled Python loops made kernel 1 instruction-fetch bound (1.48 ms; fixed:
+fori_loops); unpadded q, k, G rows cost 8-way bank conflicts per tile load (fixed: PAD).
 
 API notes (same in jax 0.11.2 and 0.12): Lane lowering semantics, set explicitly (the default,
 Warpgroup, rejects a dynamic TMA start into tiled SMEM); TMA into tiled SMEM needs 8-aligned rows,
@@ -104,6 +106,10 @@ __all__ = ["CHUNK", "GPU_CHECKS", "GpuCheck", "HEAD_DIMS", "MIN_LOG_DECAY", "chu
            "kda_prefill_fused_pallas", "kda_prefill_pallas"]
 
 CHUNK = 64          # tokens per chunk (WGMMA M)
+# Kernel 1's unswizzled q, k, v, g tiles have rows of K + PAD elements: a row stride that is not a
+# multiple of 128 bytes puts the 8 rows a warp touches per WGMMA-layout load in different banks
+# (at K elements per row all 8 rows fell into the same banks: 8-way conflicts).
+PAD = 8
 SUB = 16            # tokens per decay-reference block inside a chunk
 _BF, _F32 = jnp.bfloat16, jnp.float32
 MIN_LOG_DECAY = -9.0   # per-token log decay g must be >= this (in-chunk decay factors in fp32)
@@ -211,22 +217,25 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     if fused:
         (tok0_g, ntok_g, q_g, k_g, v_g, f_g, b_g, dtb_g, a_g, w_g, u_g, kd_g, qg_g, aqk_g, gc_g,
          q_s, k_s, v_or_rw, g_or_inv, d_or_rv, b_s, dtb_s, bars) = refs
-        (bc_s, a_s), (rv_s,), (f_s,) = d_or_rv
+        (a_s, bc_s), (rv_s,), (f_s,) = d_or_rv
     else:
         (tok0_g, ntok_g, q_g, k_g, v_g, g_g, b_g, w_g, u_g, kd_g, qg_g, aqk_g, gc_g,
          q_s, k_s, v_or_rw, g_or_inv, d_or_rv, b_s, bars) = refs
-        (bc_s, a_s), (rv_s,) = d_or_rv
+        (a_s, bc_s), (rv_s,) = d_or_rv
     n, h = lax.axis_index("n"), lax.axis_index("h")
     t0, nt = tok0_g[n], ntok_g[n]
     (v_s,), (rw_s,) = v_or_rw
     (g_s,), (d_op, e_op) = g_or_inv
     rows = pl.ds(t0, C)
-    first = (f_g.at[rows, h, :], f_s) if fused else (g_g.at[rows, h, :], g_s)
+    # [T, H * K] views: a box of K + PAD columns per head (the last head's PAD columns are past the
+    # array: TMA zero-fills them); only the first K columns are used.
+    head = lambda x_g, D: x_g.at[rows, pl.ds(h * D, D + PAD)]
+    first = (head(f_g, K), f_s) if fused else (head(g_g, K), g_s)
     # beta comes in chunk space (see _beta_chunks): its box starts at a multiple of 64 tokens on
     # its innermost dimension; the token dimension of q, k, v, g is not innermost, so any t0 works.
     b_rows = rows if token_space_beta else pl.ds(pl.multiple_of(n * C, C), C)
-    loads = [first, (b_g.at[h, b_rows], b_s), (k_g.at[rows, h, :], k_s),
-             (q_g.at[rows, h, :], q_s), (v_g.at[rows, h, :], v_s)]
+    loads = [first, (b_g.at[h, b_rows], b_s), (head(k_g, K), k_s), (head(q_g, K), q_s),
+             (head(v_g, V), v_s)]
     if fused:
         loads.append((dtb_g.at[h], dtb_s))
     for i, (src, dst) in enumerate(loads):
@@ -241,18 +250,18 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
         plgpu.barrier_wait(bars.at[5])
         dtb, a_h = _load(dtb_s, strided), a_g[h]
         def g_row(r):
-            return lower_bound * _sigmoid(a_h * (_load(f_s.at[r], strided).astype(_F32) + dtb))
+            return lower_bound * _sigmoid(a_h * (_load(f_s.at[r, :K], strided).astype(_F32) + dtb))
     else:
-        g_row = lambda r: _load(g_s.at[r], strided)
+        g_row = lambda r: _load(g_s.at[r, :K], strided)
 
     def cumsum_row(r, acc):
         acc = acc + jnp.where(r < nt, g_row(r), 0.0)
-        store(g_s.at[r], acc)
+        store(g_s.at[r, :K], acc)
         return acc
 
     lax.fori_loop(0, C, cumsum_row, plgpu.layout_cast(jnp.zeros((K,), _F32), strided))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(g_s.at[C - 1], gc_g.at[n, h])        # G_C
+    plgpu.copy_smem_to_gmem(g_s.at[C - 1, :K], gc_g.at[n, h])    # G_C
 
     # Column parts of KP = 64 channels keep every [C, KP] fp32 tile at 32 registers per thread.
     row = _iota((C, KP), 0)
@@ -262,7 +271,8 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     for i in (1, 2, 3):
         plgpu.barrier_wait(bars.at[i])
     if fused:    # L2 norm: per-row factors applied where q, k are used (no extra bf16 rounding)
-        inv_norm = lambda ref: lax.rsqrt(jnp.sum(jnp.square(_load(ref).astype(_F32)), axis=1) + 1e-6)
+        inv_norm = lambda ref: lax.rsqrt(jnp.sum(jnp.square(_load(ref.at[:, :K]).astype(_F32)), axis=1)
+                                         + 1e-6)
         rk, rq = inv_norm(k_s), inv_norm(q_s) * scale              # [C] row vectors
         k_scale, q_scale = (lambda: _rows(rk, KP)), (lambda: _rows(rq, KP))
     else:
@@ -283,7 +293,7 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     #    A loop, not unrolled Python (see the module docstring: instruction fetch).
     def intra(acc_kk, acc_qk):
         for p in range(K // KP):
-            # This part's tiles, loaded once (unswizzled SMEM: 8-way bank conflicts per load).
+            # This part's tiles, loaded once.
             gp, kp, qp = G(p), kf(p), qf(p)
 
             def block(J, carry, p=p, gp=gp, kp=kp, qp=qp):
@@ -308,12 +318,17 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     akk, aqk = pl.run_scoped(intra, plgpu.ACC((C, C), _F32), plgpu.ACC((C, C), _F32))
     ri, ci = _iota((C, C), 0), _iota((C, C), 1)
     akk = jnp.where(ri > ci, akk, 0.0)
-    aqk = jnp.where(ri >= ci, aqk, 0.0)
+    # Aqk is final: out now (through B's buffer, which U's right-hand side does not overlap), so
+    # that its 32 registers per thread are free for steps 3-5.
+    store(bc_s, jnp.where(ri >= ci, aqk, 0.0).astype(_BF))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(bc_s, aqk_g.at[n, h])
 
     # 3. Right-hand sides of U (v: beta goes on T^-1's columns, so v stays exact) and W (exp(G) k,
     #    written over v), then Kd and Qg in place of k and q.
     plgpu.barrier_wait(bars.at[4])
-    store(rv_s, jnp.where(_iota((C, V), 0) < nt, _load(v_s), 0.0).astype(_BF))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the Aqk and G_C stores have read B, g_s
+    store(rv_s, jnp.where(_iota((C, V), 0) < nt, _load(v_s.at[:, :V]), 0.0).astype(_BF))
     for p in range(K // KP):
         gp, kp = G(p), kf(p)
         eg = jnp.exp(gp)
@@ -328,7 +343,6 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     #    this stays accurate for strongly correlated keys, unlike the Neumann product
     #    (I - L)(I + L^2)...(I + L^32), whose powers of L grow combinatorially. g_s's memory is
     #    the scratch now.
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)                # G_C store has read g_s
 
     def mm3(a, b):                                                 # a @ b, ~2^-16 accurate
         def body(acc):
@@ -355,12 +369,10 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     d = lax.fori_loop(jnp.int32(0), jnp.int32(C.bit_length() - 2), level, d)
 
     # 5. W = T^-1 diag(beta) (exp(G) k), U = T^-1 diag(beta) v, in place of their right-hand
-    #    sides; Aqk is staged in E's (now free) buffer.
+    #    sides.
     beta_c = jnp.where(plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=_COL) < nt,
                        beta_of(_load(b_s, _COL)), 0.0)
     _split_store(d_op, d * _cols(beta_c, C))
-    aqk_s = e_op.at[0]
-    store(aqk_s, aqk.astype(_BF))
     plgpu.commit_smem()
 
     def wu(acc_w, acc_u):
@@ -372,9 +384,17 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     w, u = pl.run_scoped(wu, plgpu.ACC((C, K), _F32), plgpu.ACC((C, V), _F32))
     store(rw_s, w.astype(_BF))
     store(rv_s, u.astype(_BF))
+    # Kd and Qg leave through swizzled tiles (D's and E's, free now), one 64-channel part each:
+    # a TMA store reads dense SMEM, and k_s, q_s rows are K + PAD wide.
+    for p in range(K // KP):
+        store(e_op.at[p], _load(part(k_s, p)))
+        store(d_op.at[p], _load(part(q_s, p)))
     plgpu.commit_smem()
-    for src, dst in ((rw_s, w_g), (rv_s, u_g), (k_s, kd_g), (q_s, qg_g), (aqk_s, aqk_g)):
+    for src, dst in ((rw_s, w_g), (rv_s, u_g)):
         plgpu.copy_smem_to_gmem(src, dst.at[n, h])
+    for p in range(K // KP):
+        plgpu.copy_smem_to_gmem(e_op.at[p], kd_g.at[n, h, :, pl.ds(p * KP, KP)])
+        plgpu.copy_smem_to_gmem(d_op.at[p], qg_g.at[n, h, :, pl.ds(p * KP, KP)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -421,19 +441,21 @@ def _prep(tok0, ntok, q, k, v, g, beta_t, gate, scale, interpret):
         beta_t = _beta_chunks(beta_t, tok0, ntok)
     sd = lambda *shape, dt=_BF: jax.ShapeDtypeStruct(shape, dt)
     tiled = lambda shape, minor: plgpu.SMEM(shape, _BF, transforms=swizzled(minor))
-    late = ((tiled((C, 64), 64), tiled((2, C, 64), 64)),           # Akk/Aqk B and A (x2)
-            (tiled((C, V), V),))                                   # rhs U -> U
+    # Akk/Aqk A (x2) then B (-> Aqk out; U's rhs overlaps only A) | rhs U -> U | f (dead after step 1)
+    late = ((tiled((2, C, 64), 64), tiled((C, 64), 64)),
+            (tiled((C, V), V),))
     if gate is not None:
-        late += ((plgpu.SMEM((C, K), _BF),),)                      # f, dead after step 1
+        late += ((plgpu.SMEM((C, K + PAD), _BF),),)
     scratch = [
-        plgpu.SMEM((C, K), _BF),                                   # q -> Qg
-        plgpu.SMEM((C, K), _BF),                                   # k -> Kd
-        plgpu.RefUnion((plgpu.SMEM((C, V), _BF),), (tiled((C, K), K),)),   # v; rhs W -> W
-        plgpu.RefUnion((plgpu.SMEM((C, K), _F32),), (tiled((2, C, C), C),) * 2),  # G; D, E
+        plgpu.SMEM((C, K + PAD), _BF),                             # q -> Qg
+        plgpu.SMEM((C, K + PAD), _BF),                             # k -> Kd
+        plgpu.RefUnion((plgpu.SMEM((C, V + PAD), _BF),), (tiled((C, K), K),)),   # v; rhs W -> W
+        plgpu.RefUnion((plgpu.SMEM((C, K + PAD), _F32),), (tiled((2, C, C), C),) * 2),  # G; D, E
         plgpu.RefUnion(*late),
         plgpu.SMEM((C,), _F32),                                    # beta (or its logits)
     ]
-    args = [tok0, ntok, q, k, v, g, beta_t]
+    flat = lambda x: x.reshape(x.shape[0], -1)                     # [T, H, D] -> [T, H * D]
+    args = [tok0, ntok, flat(q), flat(k), flat(v), flat(g), beta_t]
     lower_bound = None
     if gate is not None:
         dt_bias, a_exp, lower_bound = gate
