@@ -63,12 +63,28 @@ class Fp8Weight(nnx.Module):
         view = Matrix(tuple(range(r + 1)) + shift(self.view.stack[1:]), shift(self.view.in_), shift(self.view.out))
         return dequantize(v, s, view, self.block, self.dtype)
 
+    def slice(self, start, size: int):
+        """Rows [start, start + size) of stack axis 0 (start traced), dequantised: [size, *shape[1:]]."""
+        if not self.view.stack or self.view.stack[0] != 0:
+            raise ValueError(f"slice needs stack axis 0 (an expert stack), the view is {self.view}")
+        v = jax.lax.dynamic_slice_in_dim(self.values[...], start, size, axis=0)
+        s = jax.lax.dynamic_slice_in_dim(self.scale_inv[...], start, size, axis=0)
+        return dequantize(v, s, self.view, self.block, self.dtype)
+
 
 def take_rows(w, idx):
     """jnp.take(w, idx, axis=0) for a Param-like (anything supporting [...]) or an Fp8Weight."""
     if isinstance(w, Fp8Weight):
         return w.take(idx)
     return jnp.take(w[...], idx, axis=0)
+
+
+def slice_rows(w, start, size: int):
+    """w[start:start+size] along axis 0 (start traced, size static) for a Param-like or an Fp8Weight
+    (dequantised): a contiguous slice, no gather."""
+    if isinstance(w, Fp8Weight):
+        return w.slice(start, size)
+    return jax.lax.dynamic_slice_in_dim(w[...], start, size, axis=0)
 
 
 def dequantize(values, scale_inv, view: Matrix, block, dtype):

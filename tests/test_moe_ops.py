@@ -21,7 +21,8 @@ from hypothesis import given, settings, strategies as st
 from helpers import rel, tiny_config
 from lingjax.model import mlp as mlp_mod
 from lingjax.ops import moe as moe_ops
-from lingjax.ops.moe import experts_dense, experts_gather, experts_sorted_blocks, route, swiglu, top_k_by_rank
+from lingjax.ops.moe import (experts_capacity, experts_dense, experts_gather, experts_sorted_blocks, route, swiglu,
+                             top_k_by_rank)
 
 F64 = jnp.float64
 
@@ -271,6 +272,7 @@ def _distinct_idx(rng, n, e, k):
 
 gather_jit = jax.jit(experts_gather, static_argnames=("limit",))
 sorted_jit = jax.jit(experts_sorted_blocks, static_argnames=("limit", "block"))
+capacity_jit = jax.jit(experts_capacity, static_argnames=("limit", "block", "group"))
 dense_jit = jax.jit(experts_dense, static_argnames=("limit",))
 
 
@@ -303,6 +305,10 @@ def test_experts_paths_agree(n, limit):
         for block in (1, 4, 64):
             got = np.asarray(sorted_jit(*args, limit=limit, block=block))
             np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12, err_msg=f"{case} block={block}")
+            for group in (1, 3, 16):          # 3: the largest divisor of E = 8 below it, 2
+                got = np.asarray(capacity_jit(*args, limit=limit, block=block, group=group))
+                np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12,
+                                           err_msg=f"capacity {case} block={block} group={group}")
 
 
 def test_experts_swiglu_limit_is_active():
@@ -352,3 +358,39 @@ def test_moe_layer_gather_and_sorted_paths_agree(monkeypatch):
         monkeypatch.setattr(mlp_mod, "MOE_GATHER_MAX_TOKENS", limit)
         res.append(np.asarray(jax.jit(lambda x: layer(x))(x)))
     assert rel(res[0], res[1]) <= 1e-12
+
+
+def test_capacity_overflow_paths():
+    """experts_capacity with loads far over the cap (overflow blocks, some partial), loads of exactly
+    the cap, unused experts, and fp8 weights (its contiguous slices vs take_rows' gathers)."""
+    from lingjax.param_layout import Matrix
+    from lingjax.quant import Fp8Weight, quantize
+    rng = np.random.default_rng(5)
+    e, d, f, k = 8, 16, 8, 2
+    w_gu, w_dn = _expert_weights(rng, e, d, f)
+    cases = {
+        "hot": (40, np.stack([[0, 1 + i % 7] for i in range(40)])),           # 40 on expert 0 (cap 12)
+        "at_cap": (32, np.stack([[2 * (i % 4), 2 * (i % 4) + 1] for i in range(32)])),   # 8 each, cap 8
+        "one_pair": (50, np.tile([[3, 6]], (50, 1))),                            # two experts, 50 each
+    }
+    for name, (n, idx) in cases.items():
+        x = rng.standard_normal((n, d))
+        wt = rng.uniform(0.1, 1.0, (n, k))
+        args = tuple(jnp.asarray(v) for v in (x, idx.astype(np.int32), wt, w_gu, w_dn))
+        ref = experts_numpy(x, idx, wt, w_gu, w_dn, None)
+        for block in (4, 8):
+            got = np.asarray(capacity_jit(*args, block=block, group=4))
+            np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12, err_msg=f"{name} block={block}")
+    # fp8: the same dequantised weights through the gather path and the capacity path
+    n, idx = cases["hot"]
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    wt = jnp.asarray(rng.uniform(0.1, 1.0, (n, k)), jnp.float32)
+    views = (Matrix((0, 1), (3,), (2,)), Matrix((0,), (2,), (1,)))     # the published expert layouts
+    fws = []
+    for w, view in zip((w_gu, w_dn), views):
+        v, s = quantize(jnp.asarray(w, jnp.float32), view, block=(8, 8))
+        fws.append(Fp8Weight(v, s, view=view, block=(8, 8), dtype=jnp.float32,
+                             logical=(None,) * w.ndim))
+    gathered = experts_gather(x, jnp.asarray(idx, jnp.int32), wt, *fws)
+    got = experts_capacity(x, jnp.asarray(idx, jnp.int32), wt, *fws, block=4, group=4)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(gathered), rtol=1e-5, atol=1e-5)

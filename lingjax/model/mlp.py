@@ -2,7 +2,7 @@
 
 The routed experts run on one of two kernels (``moe_kernel``, XLA by default):
   "xla"    lingjax.ops.moe everywhere: experts_gather below MOE_GATHER_MAX_TOKENS tokens,
-           experts_sorted_blocks above.
+           experts_capacity above.
   "pallas" the Mosaic GPU expert kernel (pallas_kernels/moe_experts.py) for calls of at most
            16 tokens (decode, a speculative verify block); prefill stays on XLA, and so does the
            router (a shared expert that cannot join the kernel, a DenseMLP, follows
@@ -204,6 +204,6 @@ class MoE(nnx.Module):
                 return y.reshape(b, t, d)
             routed = _pallas_experts(xf, idx, w, self.w_gate_up, self.w_down, self.limit)
         else:
-            experts = moe_ops.experts_gather if b * t < MOE_GATHER_MAX_TOKENS else moe_ops.experts_sorted_blocks
+            experts = moe_ops.experts_gather if b * t < MOE_GATHER_MAX_TOKENS else moe_ops.experts_capacity
             routed = experts(xf, idx, w, self.w_gate_up, self.w_down, self.limit)   # Param or Fp8Weight
         return (routed + self.shared(xf)).reshape(b, t, d)

@@ -1,8 +1,10 @@
 """Pure-XLA MoE reference ops: the group-limited sigmoid router and the routed-expert SwiGLU.
 
-Two exact expert paths: `experts_gather` (decode / verify: gathers each token's chosen experts)
-and `experts_sorted_blocks` (prefill: assignments sorted by expert into fixed-size blocks, one
-expert per block, scanned) — they compute the same function; `experts_dense` is the test oracle.
+Three exact expert paths: `experts_gather` (decode / verify: gathers each token's chosen experts),
+`experts_capacity` (prefill: every expert's first `cap` tokens in one dense pass over contiguous
+expert groups, the rest in overflow blocks) and `experts_sorted_blocks` (assignments sorted by
+expert into fixed-size blocks, one expert per block, scanned; the former prefill path) — they
+compute the same function; `experts_dense` is the test oracle.
 Ties in top-k are broken towards the lower index (jax.lax.top_k).
 
 Approximate expert skipping (`route(..., expert_keep=X)`, lingjax/approx.py) keeps the k slots:
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lingjax.model.common import acc_dtype
-from lingjax.quant import Fp8Weight, take_rows
+from lingjax.quant import Fp8Weight, slice_rows, take_rows
 
 
 class _Array:
@@ -213,6 +215,87 @@ def experts_sorted_blocks(x, idx, weight, w_gate_up, w_down, limit=None, block: 
 
     out, _ = jax.lax.scan(body, jnp.zeros((n, x.shape[-1]), acc), jnp.arange(n_blocks))
     return out.astype(x.dtype)
+
+
+def _expert_group_size(e: int, group: int) -> int:
+    """The largest divisor of e that is <= group (experts per step of the dense pass)."""
+    return max(g for g in range(1, min(group, e) + 1) if e % g == 0)
+
+
+def experts_capacity(x, idx, weight, w_gate_up, w_down, limit=None, *, block: int = 64, group: int = 16):
+    """Same function as `experts_gather` for large N (prefill), reading each expert's weights once.
+
+    x [N, D], idx / weight [N, k], w_gate_up [E, 2, F, D], w_down [E, D, F] -> [N, D].
+    Each expert's first `cap` assignments (cap = the mean load N k / E rounded up to `block` rows)
+    take slots [E, cap], run by a scan over groups of `group` consecutive experts: one contiguous
+    weight slice per step (no gather), dequantised and multiplied as one batched GEMM pair, padding
+    slots included. Assignments past an expert's cap go to overflow blocks of `block` rows (one
+    expert each), run by a while_loop over the used blocks only (none while every expert's load is
+    <= cap). Each token then sums its k expert outputs in slot order, in the accumulation dtype.
+    The expert outputs are rounded to the weights' compute dtype first, as in the other paths.
+    Why: `experts_sorted_blocks` runs ~10 small kernels per 64-row block, ~770 blocks per
+    2048-token chunk (H200, session 13: ~12 ms per layer and chunk, the bulk of the TTFT).
+    """
+    n, k = idx.shape
+    w_gate_up, w_down = _param_like(w_gate_up), _param_like(w_down)
+    e = w_gate_up.shape[0]
+    a = n * k
+    cap = block * max(1, -(-a // (e * block)))
+    g = _expert_group_size(e, group)
+    flat_e = idx.reshape(-1).astype(jnp.int32)
+    tok = jnp.arange(a, dtype=jnp.int32) // k
+    order = jnp.argsort(flat_e, stable=True)
+    counts = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+    starts = jnp.cumsum(counts) - counts
+    rank = jnp.zeros((a,), jnp.int32).at[order].set(jnp.arange(a, dtype=jnp.int32) - starts[flat_e[order]])
+    in_main = rank < cap
+
+    def ffn(xb, gu, dn):
+        """xb [..., T, D], gu [..., 2, F, D], dn [..., D, F] -> [..., T, D] in the weights' dtype."""
+        h = jnp.einsum("...td,...cfd->...tcf", xb.astype(gu.dtype), gu)
+        return jnp.einsum("...tf,...df->...td", swiglu(h[..., 0, :], h[..., 1, :], limit), dn)
+
+    # dense pass: slot (expert, rank < cap) -> token (padding slots read token 0, never used)
+    main_slot = flat_e * cap + rank
+    slot_tok = jnp.zeros((e * cap,), jnp.int32).at[jnp.where(in_main, main_slot, e * cap)].set(tok, mode="drop")
+    slot_tok = slot_tok.reshape(e // g, g, cap)
+
+    def group_step(_, s):
+        xb = x[slot_tok[s]]                                                  # [g, cap, D]
+        return None, ffn(xb, slice_rows(w_gate_up, s * g, g), slice_rows(w_down, s * g, g))
+
+    _, y_main = jax.lax.scan(group_step, None, jnp.arange(e // g))          # [E / g, g, cap, D]
+    y_main = y_main.reshape(e * cap, -1)
+
+    # overflow pass: the rest, packed by expert into blocks of `block` rows. At most floor(a / block)
+    # blocks: an overflowing expert has > cap >= block assignments, so its partial block costs less
+    # than the cap it skipped.
+    over = jnp.maximum(counts - cap, 0)
+    ocount = (over + block - 1) // block * block
+    ostart = jnp.cumsum(ocount) - ocount
+    o_slot = ostart[flat_e] + rank - cap                                     # valid where ~in_main
+    n_oblocks = max(1, a // block)
+    o_tok = jnp.zeros((n_oblocks * block,), jnp.int32).at[
+        jnp.where(in_main, n_oblocks * block, o_slot)].set(tok, mode="drop")
+    o_expert = jnp.searchsorted(jnp.cumsum(ocount), jnp.arange(n_oblocks) * block, side="right")
+    used = ocount.sum() // block
+    y_over = jnp.zeros((n_oblocks * block, x.shape[-1]), y_main.dtype)
+
+    def over_step(carry):
+        b, y = carry
+        ex = jnp.minimum(o_expert[b], e - 1)
+        xb = x[jax.lax.dynamic_slice_in_dim(o_tok, b * block, block)]
+        yb = ffn(xb, take_rows(w_gate_up, ex), take_rows(w_down, ex))
+        return b + 1, jax.lax.dynamic_update_slice_in_dim(y, yb.astype(y.dtype), b * block, axis=0)
+
+    _, y_over = jax.lax.while_loop(lambda c: c[0] < used, over_step, (jnp.int32(0), y_over))
+
+    # combine: out[t] = sum_j weight[t, j] y[slot of (t, j)], j in order
+    acc = acc_dtype(x.dtype)
+    ym = y_main[jnp.where(in_main, main_slot, 0)]
+    yo = y_over[jnp.where(in_main, 0, jnp.clip(o_slot, 0, n_oblocks * block - 1))]
+    y = jnp.where(in_main[:, None], ym, yo).reshape(n, k, -1).astype(acc)
+    return jnp.einsum("nkd,nk->nd", y, weight.astype(acc)).astype(x.dtype)
 
 
 def experts_dense(x, idx, weight, w_gate_up, w_down, limit=None):
