@@ -90,6 +90,9 @@ def slice_rows(w, start, size: int):
 def dequantize(values, scale_inv, view: Matrix, block, dtype):
     """values [shape] fp8 + scale_inv [*stack, IN/b0, OUT/b1] -> [shape] in `dtype` (f32 product)."""
     shape = values.shape
+    if (len(view.in_) == 1 and len(view.out) == 1 and shape[view.in_[0]] % block[0] == 0
+            and shape[view.out[0]] % block[1] == 0):
+        return _dequantize_in_place(values, scale_inv, view, block, dtype)
     perm = view.stack + view.in_ + view.out
     stack_dims = [shape[a] for a in view.stack]
     n_in = math.prod(shape[a] for a in view.in_)
@@ -105,6 +108,23 @@ def dequantize(values, scale_inv, view: Matrix, block, dtype):
         v = v * s
     w = v.reshape([shape[a] for a in perm]).astype(dtype)
     return jnp.transpose(w, tuple(int(i) for i in np.argsort(perm)))
+
+
+def _dequantize_in_place(values, scale_inv, view: Matrix, block, dtype):
+    """`dequantize` for one in and one out axis, each a multiple of its block, in the stored axis
+    order: each block axis splits into (blocks, block) and the scales broadcast over it (the same
+    f32 products as the transposing form, without moving the weights: XLA streams it)."""
+    shape = values.shape
+    labels = {a: i for i, a in enumerate(view.stack)} | {view.in_[0]: len(view.stack),
+                                                          view.out[0]: len(view.stack) + 1}
+    s = jnp.transpose(scale_inv, [labels[a] for a in range(len(shape))])     # scale dims in axis order
+    split, s_shape = [], []
+    for a, n in enumerate(shape):
+        b = block[0] if a == view.in_[0] else block[1] if a == view.out[0] else None
+        split += [n] if b is None else [n // b, b]
+        s_shape += [s.shape[a]] if b is None else [s.shape[a], 1]
+    v = values.astype(jnp.float32).reshape(split) * s.reshape(s_shape)
+    return v.reshape(shape).astype(dtype)
 
 
 def quantize(w, view: Matrix, block=DEFAULT_BLOCK):
