@@ -617,9 +617,10 @@ def _profile_row(a, dec, pattern, one_request, rec) -> dict:
 
 
 def _trace_prefill(dec, args, trace_dir: Path) -> dict:
-    """args: dec.prefill's positional arguments (the third, max_new, static). Compile dec.prefill without command buffers (kernels inside CUDA graphs are mostly missing
+    """Compile dec.prefill without command buffers (kernels inside CUDA graphs are mostly missing
     from device traces), warm it up, trace one call under the 'batch1_prefill' annotation and save
-    its HLO for the breakdown. Returns {"dir", "hlo", "wall_s"} (wall of the traced call)."""
+    its HLO for the breakdown. args: dec.prefill's positional arguments (the third, max_new, is
+    static). Returns {"dir", "hlo", "wall_s"} (wall of the traced call)."""
     import jax
     from bench.common import block
     from bench.profile_breakdown import dump_hlo

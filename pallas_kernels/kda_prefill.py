@@ -71,9 +71,10 @@ and on CPU (jax 0.12 and 0.11.2: interpret mode with race detection vs lingjax.o
 float64 oracle, cross-lowering for CUDA at H=32, K=V=128; tests/test_pallas_kda_prefill.py). Used
 by the model's bf16 / fp8 prefill chunks under ``kda_kernel="pallas"``. Speed
 (bench/kda_prefill_timing.py, session 13): T=8192 0.99 ms (kernel 1 0.66, kernel 2 0.38), T=65536
-7.2 ms; FLA 1.09 / 8.25, targets 0.55 / 4.1. Known limits: kernel 1 used 255 registers (2 CTAs
-per SM, as its SMEM) in session 12; kernel 2 has one CTA per SM and is latency-bound (2.9 us per
-chunk). History: a beta TMA box starting at an unaligned token faulted on the GPU (fixed:
+7.2 ms; FLA 1.09 / 8.25, targets 0.55 / 4.1. Known limits (Nsight Compute, session 13): kernel 1
+uses 255 registers and 112.7 KiB of SMEM, so 2 CTAs (8 warps) per SM, too few to hide its
+latencies (0.44 eligible warps per scheduler); kernel 2 has one CTA per SM and is latency-bound
+(2.9 us per chunk). History: a beta TMA box starting at an unaligned token faulted on the GPU (fixed:
 chunk-space beta); unrolled Python loops made kernel 1 instruction-fetch bound (1.48 ms; fixed:
 fori_loops); unpadded q, k, G rows cost 8-way bank conflicts per tile load (fixed: PAD).
 

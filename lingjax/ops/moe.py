@@ -268,8 +268,8 @@ def experts_capacity(x, idx, weight, w_gate_up, w_down, limit=None, *, block: in
     y_main = y_main.reshape(e * cap, -1)
 
     # overflow pass: the rest, packed by expert into blocks of `block` rows. At most floor(a / block)
-    # blocks: an overflowing expert has > cap >= block assignments, so its partial block costs less
-    # than the cap it skipped.
+    # blocks: m overflowing experts need <= (sum of overflows + m (block - 1)) / block blocks, and
+    # their overflows sum to <= a - m cap with cap >= block.
     over = jnp.maximum(counts - cap, 0)
     ocount = (over + block - 1) // block * block
     ostart = jnp.cumsum(ocount) - ocount
