@@ -93,6 +93,12 @@ def dequantize(values, scale_inv, view: Matrix, block, dtype):
     if (len(view.in_) == 1 and len(view.out) == 1 and shape[view.in_[0]] % block[0] == 0
             and shape[view.out[0]] % block[1] == 0):
         return _dequantize_in_place(values, scale_inv, view, block, dtype)
+    return _dequantize_transposing(values, scale_inv, view, block, dtype)
+
+
+def _dequantize_transposing(values, scale_inv, view: Matrix, block, dtype):
+    """`dequantize` for any view: the weights moved to [*stack, IN, OUT], scaled, moved back."""
+    shape = values.shape
     perm = view.stack + view.in_ + view.out
     stack_dims = [shape[a] for a in view.stack]
     n_in = math.prod(shape[a] for a in view.in_)

@@ -95,7 +95,7 @@ def test_route_with_expert_keep_renormalises_and_experts_agree():
     wgu, wd = jnp.asarray(rng.standard_normal((e, 2, f, d))), jnp.asarray(rng.standard_normal((e, d, f)))
     dense = moe_ops.experts_dense(x, idx, w, wgu, wd)
     np.testing.assert_allclose(moe_ops.experts_gather(x, idx, w, wgu, wd), dense, rtol=1e-10, atol=1e-10)
-    np.testing.assert_allclose(moe_ops.experts_sorted_blocks(x, idx, w, wgu, wd, block=8), dense,
+    np.testing.assert_allclose(moe_ops.experts_capacity(x, idx, w, wgu, wd, block=8), dense,
                                rtol=1e-10, atol=1e-10)
 
 

@@ -123,7 +123,7 @@ def test_dense_moe_patch_is_exact():
     target, _ = _small_models()
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, size=(2, 48)), jnp.int32)
     cache = init_cache(target.cfg, 2, 48, jnp.float32)
-    ref = jax.jit(lambda t: target(t, cache).logits)(tokens)    # 96 tokens: the sorted-block path
+    ref = jax.jit(lambda t: target(t, cache).logits)(tokens)    # 96 tokens: the capacity path
     rec = []
 
     def patched(t):

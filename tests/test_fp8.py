@@ -91,7 +91,7 @@ def test_fp8_model_equals_model_with_dequantised_weights():
     outs = []
     for m in (q, d):
         cache = init_cache(m.cfg, 1, 96, F32)
-        o = m(ids, cache)                                     # prefill: chunked KDA, sorted-block MoE
+        o = m(ids, cache)                                     # prefill: chunked KDA, capacity-path MoE
         o2 = m(ids[:, :1], o.cache)                           # decode: recurrent KDA, gathered MoE
         o3 = m(ids[:, :5], o2.cache, pending=True)            # verify block
         outs.append((o.logits, o2.logits, o3.logits))
@@ -123,3 +123,22 @@ def test_fp8_param_shardings_follow_the_weight():
     P = jax.sharding.PartitionSpec
     assert sh[("layers", 3, "mlp", "w_gate_up", "values")].spec == P(None, None, ("ep", "tp"), None)
     assert sh[("layers", 3, "mlp", "w_gate_up", "scale_inv")].spec == jax.sharding.PartitionSpec(None, None, None, None)
+
+
+@pytest.mark.parametrize("shape,view,block", [((4, 2, 48, 64), Matrix((0, 1), (3,), (2,)), (32, 16)),
+                                              ((4, 64, 48), Matrix((0,), (2,), (1,)), (16, 16)),
+                                              ((64, 48), Matrix((), (0,), (1,)), (32, 16))])
+def test_dequantize_in_place_equals_the_transposing_form(shape, view, block):
+    """One in and one out axis in whole blocks take the in-place form: bit-identical to the general
+    (transposing) one in the compute dtype; slice_rows gives take_rows' rows."""
+    from lingjax.quant import _dequantize_in_place, _dequantize_transposing, slice_rows
+    w = jnp.asarray(np.random.default_rng(3).normal(size=shape), F32)
+    values, scale = quantize(w, view, block)
+    for dt in (jnp.bfloat16, F32):
+        a = _dequantize_in_place(values, scale, view, block, dt)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(_dequantize_transposing(values, scale, view, block, dt)))
+        np.testing.assert_array_equal(np.asarray(dequantize(values, scale, view, block, dt)), np.asarray(a))
+    if view.stack:
+        fw = Fp8Weight(values, scale, view=view, block=block, dtype=F32, logical=(None,) * len(shape))
+        np.testing.assert_array_equal(np.asarray(slice_rows(fw, jnp.int32(1), 2)),
+                                      np.asarray(take_rows(fw, jnp.arange(1, 3))))

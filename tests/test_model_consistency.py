@@ -6,7 +6,7 @@ speculative verify (pending) + commit of any accepted prefix, batching, and one 
 float64 numpy token recurrence written from spec/kda.md.
 
 Paths crossed (defaults: KDA chunk 16, ABSORB_MAX_TOKENS 32, MOE_GATHER_MAX_TOKENS 64): the
-reference full prefill of L = 72 tokens runs expanded MLA + sorted-block MoE + chunked KDA; prompts
+reference full prefill of L = 72 tokens runs expanded MLA + capacity-path MoE + chunked KDA; prompts
 of 5 / 16 / 17 / 40 tokens cross the KDA chunk; decode runs absorbed MLA + gathered MoE + kda_step.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from lingjax.model.ling import LingModel
 from lingjax.model.mla import GatedMLA
 
 F64 = jnp.float64
-L = 72          # reference sequence length (>= MOE_GATHER_MAX_TOKENS: sorted-block MoE in the reference)
+L = 72          # reference sequence length (>= MOE_GATHER_MAX_TOKENS: capacity-path MoE in the reference)
 MAX_LEN = 80
 TOL = 1e-10
 
@@ -237,7 +237,7 @@ def test_batch_of_two_equals_each_alone():
     other = np.asarray(golden()["long_ids"][:, 96 - L:][:, ::-1])
     assert not np.array_equal(toks, other)
     both = jnp.asarray(np.concatenate([toks, other]), jnp.int32)
-    # prefill 40: B*T = 80 -> sorted-block MoE for the batch, gathered MoE for each alone
+    # prefill 40: B*T = 80 -> capacity-path MoE for the batch, gathered MoE for each alone
     out2 = r.fwd(both[:, :40], r.empty(2))
     logits2, _ = r.decode(both[:, 40:44], out2.cache)
     for row in range(2):

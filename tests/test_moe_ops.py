@@ -21,8 +21,7 @@ from hypothesis import given, settings, strategies as st
 from helpers import rel, tiny_config
 from lingjax.model import mlp as mlp_mod
 from lingjax.ops import moe as moe_ops
-from lingjax.ops.moe import (experts_capacity, experts_dense, experts_gather, experts_sorted_blocks, route, swiglu,
-                             top_k_by_rank)
+from lingjax.ops.moe import experts_capacity, experts_dense, experts_gather, route, swiglu, top_k_by_rank
 
 F64 = jnp.float64
 
@@ -271,7 +270,6 @@ def _distinct_idx(rng, n, e, k):
 
 
 gather_jit = jax.jit(experts_gather, static_argnames=("limit",))
-sorted_jit = jax.jit(experts_sorted_blocks, static_argnames=("limit", "block"))
 capacity_jit = jax.jit(experts_capacity, static_argnames=("limit", "block", "group"))
 dense_jit = jax.jit(experts_dense, static_argnames=("limit",))
 
@@ -303,8 +301,6 @@ def test_experts_paths_agree(n, limit):
         gathered = np.asarray(gather_jit(*args, limit=limit))
         np.testing.assert_allclose(gathered, ref, rtol=1e-12, atol=1e-12, err_msg=case)
         for block in (1, 4, 64):
-            got = np.asarray(sorted_jit(*args, limit=limit, block=block))
-            np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12, err_msg=f"{case} block={block}")
             for group in (1, 3, 16):          # 3: the largest divisor of E = 8 below it, 2
                 got = np.asarray(capacity_jit(*args, limit=limit, block=block, group=group))
                 np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12,
@@ -321,12 +317,12 @@ def test_experts_swiglu_limit_is_active():
     wt = rng.uniform(0.1, 1.0, (n, k))
     args = tuple(jnp.asarray(a) for a in (x, idx, wt, w_gu, w_dn))
     off = np.asarray(gather_jit(*args, limit=None))
-    on = np.asarray(sorted_jit(*args, limit=0.4, block=4))
+    on = np.asarray(capacity_jit(*args, limit=0.4, block=4))
     assert rel(on, off) > 0.1
     np.testing.assert_allclose(on, experts_numpy(x, idx, wt, w_gu, w_dn, 0.4), rtol=1e-12, atol=1e-12)
 
 
-def test_sorted_blocks_exact_block_multiples_and_float32():
+def test_capacity_exact_block_multiples_and_float32():
     """Counts that fill blocks exactly (no padding rows), and float32 agreement with the oracle."""
     rng = np.random.default_rng(11)
     n, e, d, f, k = 16, 4, 8, 6, 2
@@ -337,16 +333,16 @@ def test_sorted_blocks_exact_block_multiples_and_float32():
     ref = experts_numpy(x, idx, wt, w_gu, w_dn, None)
     for block in (4, 16):
         args = tuple(jnp.asarray(a) for a in (x, idx, wt, w_gu, w_dn))
-        np.testing.assert_allclose(np.asarray(sorted_jit(*args, block=block)), ref, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(capacity_jit(*args, block=block)), ref, rtol=1e-12, atol=1e-12)
     args32 = tuple(jnp.asarray(a, jnp.float32) for a in (x, wt, w_gu, w_dn))
     args32 = (args32[0], jnp.asarray(idx), *args32[1:])
-    for fn in (gather_jit, lambda *a: sorted_jit(*a, block=4), dense_jit):
+    for fn in (gather_jit, lambda *a: capacity_jit(*a, block=4), dense_jit):
         out = fn(*args32)
         assert out.dtype == jnp.float32
         assert rel(out, ref) <= 1e-5
 
 
-def test_moe_layer_gather_and_sorted_paths_agree(monkeypatch):
+def test_moe_layer_gather_and_capacity_paths_agree(monkeypatch):
     """The MoE module's two dispatch paths (forced via MOE_GATHER_MAX_TOKENS) give one function."""
     cfg = tiny_config(expert_swiglu_limit_list=(0.0, 0.0, 0.8), share_expert_swiglu_limit_list=(0.0, 0.0, 0.6))
     layer = mlp_mod.MoE(cfg, 2, dtype=F64, rngs=nnx.Rngs(0))
@@ -369,7 +365,7 @@ def test_capacity_overflow_paths():
     e, d, f, k = 8, 16, 8, 2
     w_gu, w_dn = _expert_weights(rng, e, d, f)
     cases = {
-        "hot": (40, np.stack([[0, 1 + i % 7] for i in range(40)])),           # 40 on expert 0 (cap 12)
+        "hot": (40, np.stack([[0, 1 + i % 7] for i in range(40)])),    # 40 on expert 0 (cap 12 / 16)
         "at_cap": (32, np.stack([[2 * (i % 4), 2 * (i % 4) + 1] for i in range(32)])),   # 8 each, cap 8
         "one_pair": (50, np.tile([[3, 6]], (50, 1))),                            # two experts, 50 each
     }
@@ -394,3 +390,6 @@ def test_capacity_overflow_paths():
     gathered = experts_gather(x, jnp.asarray(idx, jnp.int32), wt, *fws)
     got = experts_capacity(x, jnp.asarray(idx, jnp.int32), wt, *fws, block=4, group=4)
     np.testing.assert_allclose(np.asarray(got), np.asarray(gathered), rtol=1e-5, atol=1e-5)
+    for bad in (dict(block=0), dict(group=0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            experts_capacity(x, jnp.asarray(idx, jnp.int32), wt, *fws, **bad)

@@ -36,7 +36,7 @@ from lingjax.param_layout import Matrix
 from lingjax.quant import Fp8Weight
 from pallas_kernels import moe_experts
 
-# Token counts at or above this use the sorted-block expert path (prefill); below it, gather.
+# Token counts at or above this use the capacity expert path (prefill); below it, gather.
 MOE_GATHER_MAX_TOKENS = 64
 MOE_KERNELS = ("xla", "pallas")
 # The kernels' fp8 layouts (K-minor, as published: lingjax/param_layout.py)

@@ -1,17 +1,16 @@
 """Pure-XLA MoE reference ops: the group-limited sigmoid router and the routed-expert SwiGLU.
 
-Three exact expert paths: `experts_gather` (decode / verify: gathers each token's chosen experts),
-`experts_capacity` (prefill: every expert's first `cap` tokens in one dense pass over contiguous
-expert groups, the rest in overflow blocks) and `experts_sorted_blocks` (assignments sorted by
-expert into fixed-size blocks, one expert per block, scanned; the former prefill path) — they
-compute the same function; `experts_dense` is the test oracle.
+Two exact expert paths: `experts_gather` (decode / verify: gathers each token's chosen experts)
+and `experts_capacity` (prefill: every expert's first `cap` tokens in one dense pass over
+contiguous expert groups, the rest in overflow blocks) — they compute the same function;
+`experts_dense` is the test oracle.
 Ties in top-k are broken towards the lower index (jax.lax.top_k).
 
 Approximate expert skipping (`route(..., expert_keep=X)`, lingjax/approx.py) keeps the k slots:
 a dropped slot gets weight 0 and the index of the token's heaviest expert, so both paths stay
 exact for the kept experts (0 * y adds nothing) while the distinct experts a token touches fall to
-the kept count: the sorted-block path (prefill) runs fewer expert blocks, and the gather path reads
-the duplicate rows again (a kernel that skips zero-weight slots, or the cache, turns that into a
+the kept count: the capacity path (prefill) still runs every expert's dense slots (only its
+overflow blocks shrink), and the gather path reads the duplicate rows again (a kernel that skips zero-weight slots, or the cache, turns that into a
 saving; measure it on the device).
 
 Expert weights are passed as Param-likes (`w[...]` gives the array) so that block-fp8 weights
@@ -172,51 +171,6 @@ def experts_gather(x, idx, weight, w_gate_up, w_down, limit=None):
     return jnp.einsum("nkd,nk->nd", y.astype(acc), weight.astype(acc)).astype(x.dtype)
 
 
-def experts_sorted_blocks(x, idx, weight, w_gate_up, w_down, limit=None, block: int = 64):
-    """Same function as `experts_gather` for large N (prefill), without per-token weight copies.
-
-    The N*k assignments are sorted by expert and packed into blocks of `block` rows, each block
-    holding one expert's tokens (padded); a scan over the static upper bound of blocks
-    ceil(N*k/block) + E gathers one expert's weights per block. Unused blocks are skipped.
-    """
-    n, k = idx.shape
-    w_gate_up, w_down = _param_like(w_gate_up), _param_like(w_down)
-    e = w_gate_up.shape[0]
-    a = n * k
-    flat_e = idx.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)
-    se = flat_e[order]
-    st = (jnp.arange(a, dtype=jnp.int32) // k)[order]
-    sw = weight.reshape(-1)[order]
-    counts = jnp.bincount(flat_e, length=e)
-    starts = jnp.cumsum(counts) - counts                                   # unpadded group starts
-    pcounts = (counts + block - 1) // block * block
-    pstarts = jnp.cumsum(pcounts) - pcounts
-    slot = pstarts[se] + (jnp.arange(a) - starts[se])                      # padded slot of each row
-    n_blocks = -(-a // block) + e
-    p = n_blocks * block
-    slot_tok = jnp.zeros((p,), jnp.int32).at[slot].set(st)
-    slot_w = jnp.zeros((p,), sw.dtype).at[slot].set(sw)
-    block_expert = jnp.searchsorted(jnp.cumsum(pcounts), jnp.arange(n_blocks) * block, side="right")
-    used_blocks = pcounts.sum() // block
-    acc = acc_dtype(x.dtype)
-
-    def body(out, b):
-        def run(out):
-            ex = jnp.minimum(block_expert[b], e - 1)
-            toks = jax.lax.dynamic_slice_in_dim(slot_tok, b * block, block)
-            ws = jax.lax.dynamic_slice_in_dim(slot_w, b * block, block)
-            gu = take_rows(w_gate_up, ex)                            # [2, F, D]
-            xb = x[toks].astype(gu.dtype)
-            h = jnp.einsum("td,cfd->tcf", xb, gu)
-            y = jnp.einsum("tf,df->td", swiglu(h[:, 0], h[:, 1], limit), take_rows(w_down, ex))
-            return out.at[toks].add(y.astype(acc) * ws[:, None].astype(acc))
-        return jax.lax.cond(b < used_blocks, run, lambda o: o, out), None
-
-    out, _ = jax.lax.scan(body, jnp.zeros((n, x.shape[-1]), acc), jnp.arange(n_blocks))
-    return out.astype(x.dtype)
-
-
 def _expert_group_size(e: int, group: int) -> int:
     """The largest divisor of e that is <= group (experts per step of the dense pass)."""
     return max(g for g in range(1, min(group, e) + 1) if e % g == 0)
@@ -233,9 +187,12 @@ def experts_capacity(x, idx, weight, w_gate_up, w_down, limit=None, *, block: in
     expert each), run by a while_loop over the used blocks only (none while every expert's load is
     <= cap). Each token then sums its k expert outputs in slot order, in the accumulation dtype.
     The expert outputs are rounded to the weights' compute dtype first, as in the other paths.
-    Why: `experts_sorted_blocks` runs ~10 small kernels per 64-row block, ~770 blocks per
-    2048-token chunk (H200, session 13: ~12 ms per layer and chunk, the bulk of the TTFT).
+    Why: the former prefill path (one expert per 64-row block, scanned: ~10 small kernels per
+    block, ~770 blocks per 2048-token chunk) took ~12 ms per layer and chunk on the H200, the bulk
+    of the TTFT (session 13, docs/PERFORMANCE.md).
     """
+    if block < 1 or group < 1:
+        raise ValueError(f"block ({block}) and group ({group}) must be >= 1")
     n, k = idx.shape
     w_gate_up, w_down = _param_like(w_gate_up), _param_like(w_down)
     e = w_gate_up.shape[0]
