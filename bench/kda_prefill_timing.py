@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Mosaic GPU interpret mode (CPU smoke; times meaningless)")
     ap.add_argument("--json", default=None, help="also write the JSON record to this path")
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
+    ap.add_argument("--pallas-barriers", action="store_true",
+                    help="compile the kernels with Pallas' automatic SMEM barriers (kda_prefill.OWN_BARRIERS "
+                         "= False; the build before session 14) for an A/B")
     return ap
 
 
@@ -161,6 +164,9 @@ def main(argv=None) -> dict:
     if not a.no_xla_defaults:
         xla_env.configure()
     import jax
+    if a.pallas_barriers:
+        from pallas_kernels import kda_prefill
+        kda_prefill.OWN_BARRIERS = False
 
     from bench.batch1 import measure_copy_bandwidth
     from bench.common import env_info, kernel_interpret
@@ -179,7 +185,8 @@ def main(argv=None) -> dict:
             line += f" ({rec['speedup_vs_fla']:.2f}x FLA {rec['fla_ms']} ms)"
         errors = [n for n in names if n + "_error" in rec]
         print(f"T={T}: {line}" + (f"; FAILED: {', '.join(errors)} (see the JSON)" if errors else ""))
-    record = {"bench": "kda_prefill", "copy_GBps": copy_bw / 1e9, "results": results,
+    record = {"bench": "kda_prefill", "copy_GBps": copy_bw / 1e9, "pallas_barriers": a.pallas_barriers,
+              "results": results,
               "env": env_info()}
     text = json.dumps(record)
     print(text)

@@ -48,14 +48,20 @@ parallel over (chunk, head) while the state pass is serial over chunks:
      Kd = k exp(G_C - G),  Qg = scale q exp(G),  Aqk (stored as soon as it is final).
    Outputs live in chunk space [N, H, 64, .] (N = ceil(T/64) + S - 1 slots, every sequence starts
    a chunk, unused slots are zeros), so kernel 2 reads aligned, swizzled tiles. SMEM is reused
-   phase by phase through RefUnions: ~110 KiB, so two CTAs fit on an SM.
+   phase by phase through RefUnions: ~110 KiB, so two CTAs fit on an SM. WGMMA A operands (the
+   Akk / Aqk row factors, the inverse's left factors, T^-1 diag(beta)) come from registers
+   (A_FROM_REGISTERS): only the B operands go through SMEM.
 2. ``_state`` -- grid (sequence, head, V block of ``block_v``), one warpgroup, serial loop over
    the sequence's chunks with the fp32 state tile S [K, block_v] in registers:
      V' = U - W S;  O = Qg S + Aqk V';  S <- exp(G_C) S + Kd^T V'
    WGMMAs with M = 64 or 128 (= K), N = block_v; S and V' are the B operands, in SMEM as bf16
-   hi + lo (8 WGMMAs per chunk). The next chunk's tiles are TMA-prefetched into a second slot.
-   O rows are stored by TMA in pieces of 64/32/.../1 rows, so a sequence's partial last chunk
-   never writes into the next sequence. block_v = 32: H * V / 32 = 128 programs (132 SMs).
+   hi + lo (8 WGMMAs per chunk). Only W S and Kd^T V' are on the serial path: the next chunk's
+   tiles are TMA-loaded into the second slot while W S runs, and the previous chunk's O goes out
+   while Kd^T V' runs. O rows are stored by TMA in pieces of 64/32/.../1 rows, so a sequence's
+   partial last chunk never writes into the next sequence. block_v = 32: H * V / 32 = 128
+   programs (132 SMs).
+Both kernels place their own SMEM barriers (OWN_BARRIERS; Pallas' automatic ones, two per store
+and one per TMA copy, kept the warps in lockstep).
 
 Why C = 64 with 16-token decay blocks rather than 16-token chunks: WGMMA needs M = 64, and the
 serial state pass costs per chunk, so 64-token chunks quarter its length (128 steps at T = 8192)
@@ -70,11 +76,13 @@ token included; relative RMSE vs float64 3.3e-3 on outputs, 2.0e-3 on the final 
 and on CPU (jax 0.12 and 0.11.2: interpret mode with race detection vs lingjax.ops.kda and the
 float64 oracle, cross-lowering for CUDA at H=32, K=V=128; tests/test_pallas_kda_prefill.py). Used
 by the model's bf16 / fp8 prefill chunks under ``kda_kernel="pallas"``. Speed
-(bench/kda_prefill_timing.py, session 13): T=8192 0.99 ms (kernel 1 0.66, kernel 2 0.38), T=65536
-7.2 ms; FLA 1.09 / 8.25, targets 0.55 / 4.1. Known limits (Nsight Compute, session 13): kernel 1
+(bench/kda_prefill_timing.py, session 14): T=8192 0.80 ms (kernel 1 0.50, kernel 2 0.34), T=65536
+5.7 ms; FLA 1.09 / 8.25, targets 0.55 / 4.1. Known limits (Nsight Compute, session 14): kernel 1
 uses 255 registers and 112.7 KiB of SMEM, so 2 CTAs (8 warps) per SM, too few to hide its
-latencies (0.44 eligible warps per scheduler); kernel 2 has one CTA per SM and is latency-bound
-(2.9 us per chunk). History: a beta TMA box starting at an unaligned token faulted on the GPU (fixed:
+latencies; its Akk / Aqk blocks and the inverse take ~0.18 and ~0.16 ms of the 0.50
+(bench/kda_prefill_phases.py), loads and stores alone 0.19. Kernel 2 has one CTA per SM and
+issues ~900 instructions per warp and chunk, a third of them TMA issue and O output
+bookkeeping. History: a beta TMA box starting at an unaligned token faulted on the GPU (fixed:
 chunk-space beta); unrolled Python loops made kernel 1 instruction-fetch bound (1.48 ms; fixed:
 fori_loops); unpadded q, k, G rows cost 8-way bank conflicts per tile load (fixed: PAD).
 
@@ -207,11 +215,17 @@ def _sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
+def _prep_body(K, V, scale, lower_bound, token_space_beta, a_regs, skip, interpret, own_barriers,
+               *refs):
     """Kernel 1. With ``lower_bound`` set (fused preprocessing) the inputs are raw q, k, the gate
-    projection f (instead of g), beta logits, dt_bias [H, K] and exp(A_log) [H]."""
+    projection f (instead of g), beta logits, dt_bias [H, K] and exp(A_log) [H].
+    a_regs: WGMMA A operands from registers (see A_FROM_REGISTERS); skip: _SKIP_PHASES;
+    own_barriers: compiled with unsafe_no_auto_barriers, so `sync` below orders every SMEM write
+    after the reads (by other threads or WGMMAs) it overwrites (see OWN_BARRIERS)."""
     C, KP = CHUNK, 64
     fused = lower_bound is not None
+    regs = a_regs and not interpret     # interpret mode's wgmma takes SMEM operands only
+    sync = plgpu.commit_smem if own_barriers else (lambda: None)   # a warpgroup barrier
     # SMEM reuse (RefUnion groups, disjoint lifetimes): v_or_rw = v | W's rhs, then W;
     # g_or_inv = g -> G in place | D, E (bf16 hi, lo) of the inverse; d_or_rv = Akk/Aqk operands
     # | U's rhs (v), then U | (fused only) the gate projection f, dead after step 1.
@@ -260,7 +274,8 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
         store(g_s.at[r, :K], acc)
         return acc
 
-    lax.fori_loop(0, C, cumsum_row, plgpu.layout_cast(jnp.zeros((K,), _F32), strided))
+    if "cumsum" not in skip:
+        lax.fori_loop(0, C, cumsum_row, plgpu.layout_cast(jnp.zeros((K,), _F32), strided))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(g_s.at[C - 1, :K], gc_g.at[n, h])    # G_C
 
@@ -294,33 +309,50 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     #    A loop, not unrolled Python (see the module docstring: instruction fetch).
     def intra(acc_kk, acc_qk):
         for p in range(K // KP):
-            # This part's tiles, loaded once.
+            # This part's tiles, loaded once; B_J's rows for every block at once (each row j uses
+            # its own block's reference, so B_J is b_own masked to block J's rows) and beta k.
             gp, kp, qp = G(p), kf(p), qf(p)
+            m_own = _cols(ref_row(SUB // 2 - 1, p), C)
+            for J in range(1, C // SUB):
+                m_own = jnp.where(row >= SUB * J, _cols(ref_row(SUB * J + SUB // 2 - 1, p), C), m_own)
+            b_own = (kp * jnp.exp(m_own - gp)).astype(_BF)
+            bk = beta_rows * kp
 
-            def block(J, carry, p=p, gp=gp, kp=kp, qp=qp):
+            def block(J, carry, p=p, gp=gp, bk=bk, qp=qp, b_own=b_own):
                 r0 = SUB * J
                 m = _cols(ref_row(r0 + SUB // 2 - 1, p), C)
                 in_block = (row >= r0) & (row < r0 + SUB)
                 plgpu.wgmma_wait(0)                                # the last MMAs read bc_s, a_s
-                store(bc_s, jnp.where(in_block, kp * jnp.exp(jnp.where(in_block, m - gp, 0.0)),
-                                      0.0).astype(_BF))
+                sync()
+                store(bc_s, jnp.where(in_block, b_own, jnp.zeros_like(b_own)))
                 e = jnp.exp(jnp.where(row >= r0, gp - m, -jnp.inf))
-                store(a_s.at[0], (beta_rows * kp * e).astype(_BF))
-                store(a_s.at[1], (qp * e).astype(_BF))
-                plgpu.commit_smem()
+                a_kk, a_qk = (bk * e).astype(_BF), (qp * e).astype(_BF)
+                if regs:
+                    plgpu.commit_smem()
+                else:
+                    store(a_s.at[0], a_kk)
+                    store(a_s.at[1], a_qk)
+                    plgpu.commit_smem()
+                    a_kk, a_qk = a_s.at[0], a_s.at[1]
                 b_t = bc_s.transpose((1, 0))
-                plgpu.wgmma(acc_kk, a_s.at[0], b_t)
-                plgpu.wgmma(acc_qk, a_s.at[1], b_t)
+                plgpu.wgmma(acc_kk, a_kk, b_t)
+                plgpu.wgmma(acc_qk, a_qk, b_t)
+                if regs:        # register operands must outlive the MMAs that read them
+                    plgpu.wgmma_wait(0)
                 return carry
 
             lax.fori_loop(jnp.int32(0), jnp.int32(C // SUB), block, 0)
         return acc_kk[...], acc_qk[...]
 
-    akk, aqk = pl.run_scoped(intra, plgpu.ACC((C, C), _F32), plgpu.ACC((C, C), _F32))
+    if "intra" in skip:
+        akk = aqk = _zeros((C, C))
+    else:
+        akk, aqk = pl.run_scoped(intra, plgpu.ACC((C, C), _F32), plgpu.ACC((C, C), _F32))
     ri, ci = _iota((C, C), 0), _iota((C, C), 1)
     akk = jnp.where(ri > ci, akk, 0.0)
     # Aqk is final: out now (through B's buffer, which U's right-hand side does not overlap), so
     # that its 32 registers per thread are free for steps 3-5.
+    sync()                                                         # the MMAs have read bc_s
     store(bc_s, jnp.where(ri >= ci, aqk, 0.0).astype(_BF))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(bc_s, aqk_g.at[n, h])
@@ -330,7 +362,8 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     plgpu.barrier_wait(bars.at[4])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the Aqk and G_C stores have read B, g_s
     store(rv_s, jnp.where(_iota((C, V), 0) < nt, _load(v_s.at[:, :V]), 0.0).astype(_BF))
-    for p in range(K // KP):
+    sync()                                                         # v_s read: rw_s overlaps it
+    for p in range(K // KP if "rhs" not in skip else 0):
         gp, kp = G(p), kf(p)
         eg = jnp.exp(gp)
         g_last = _cols(ref_row(C - 1, p), C)
@@ -345,44 +378,59 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
     #    (I - L)(I + L^2)...(I + L^32), whose powers of L grow combinatorially. g_s's memory is
     #    the scratch now.
 
-    def mm3(a, b):                                                 # a @ b, ~2^-16 accurate
+    def mm3(a, b):            # a @ b, ~2^-16 accurate; a = (hi, lo) registers or SMEM tiles
         def body(acc):
-            plgpu.wgmma(acc, a.at[0], b.at[0])
-            plgpu.wgmma(acc, a.at[0], b.at[1])
-            plgpu.wgmma(acc, a.at[1], b.at[0])
+            plgpu.wgmma(acc, a[0], b.at[0])
+            plgpu.wgmma(acc, a[0], b.at[1])
+            plgpu.wgmma(acc, a[1], b.at[0])
             return acc[...]
         return pl.run_scoped(body, plgpu.ACC((C, C), _F32))
 
-    xor = jnp.bitwise_xor(ri, ci)                                  # < 2b: same 2b-block
-    lower = ri > ci
-    d = jnp.where(ri == ci, 1.0, 0.0) - jnp.where(lower & (xor < 2), akk, 0.0)
+    def a_split(x, ref):      # fp32 x as an A operand: bf16 (hi, lo) in registers, or via ref
+        if regs:
+            hi = x.astype(_BF)
+            return hi, (x - hi.astype(_F32)).astype(_BF)
+        sync()
+        _split_store(ref, x)
+        plgpu.commit_smem()
+        return ref.at[0], ref.at[1]
+
+    # Entry (r, c) below the diagonal joins at the level whose 2b-blocks first hold both r and c:
+    # r ^ c in [b, 2b), b = 2 << i, so level i + 1 = the number of t >= 1 with r ^ c >= 2^t
+    # (0: inside a 2x2 diagonal block); computed once, one compare per level.
+    xor = jnp.bitwise_xor(ri, ci)
+    lvl = sum(jnp.where(xor >= 2 ** t, 1, 0) for t in range(1, C.bit_length() - 1))
+    lvl = jnp.where(ri > ci, lvl, -1)
+    d = jnp.where(ri == ci, 1.0, 0.0) - jnp.where(lvl == 0, akk, 0.0)
 
     def level(i, d):                                               # b = 2, 4, ..., C / 2
-        b = lax.shift_left(jnp.int32(2), i)
+        sync()          # the last level's MMAs (or step 3's g_s reads, G_C store) are done
         _split_store(d_op, d)
-        _split_store(e_op, jnp.where(lower & (xor >= b) & (xor < 2 * b), akk, 0.0))
+        _split_store(e_op, jnp.where(lvl == i + 1, akk, 0.0))
         plgpu.commit_smem()
-        de = mm3(d_op, e_op)
-        _split_store(e_op, de)                                     # E is consumed
-        plgpu.commit_smem()
-        return d - mm3(e_op, d_op)
+        de = mm3(a_split(d, None) if regs else (d_op.at[0], d_op.at[1]), e_op)
+        return d - mm3(a_split(de, e_op), d_op)                    # (E is consumed)
 
-    d = lax.fori_loop(jnp.int32(0), jnp.int32(C.bit_length() - 2), level, d)
+    if "inverse" not in skip:
+        d = lax.fori_loop(jnp.int32(0), jnp.int32(C.bit_length() - 2), level, d)
 
     # 5. W = T^-1 diag(beta) (exp(G) k), U = T^-1 diag(beta) v, in place of their right-hand
     #    sides.
     beta_c = jnp.where(plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=_COL) < nt,
                        beta_of(_load(b_s, _COL)), 0.0)
-    _split_store(d_op, d * _cols(beta_c, C))
-    plgpu.commit_smem()
+    t_hi, t_lo = a_split(d * _cols(beta_c, C), d_op)
 
     def wu(acc_w, acc_u):
         for acc, rhs in ((acc_w, rw_s), (acc_u, rv_s)):
-            plgpu.wgmma(acc, d_op.at[0], rhs)
-            plgpu.wgmma(acc, d_op.at[1], rhs)
+            plgpu.wgmma(acc, t_hi, rhs)
+            plgpu.wgmma(acc, t_lo, rhs)
         return acc_w[...], acc_u[...]
 
-    w, u = pl.run_scoped(wu, plgpu.ACC((C, K), _F32), plgpu.ACC((C, V), _F32))
+    if "wu" in skip:
+        w, u = _zeros((C, K)), _zeros((C, V))
+    else:
+        w, u = pl.run_scoped(wu, plgpu.ACC((C, K), _F32), plgpu.ACC((C, V), _F32))
+    sync()                                                         # W, U's MMAs are done
     store(rw_s, w.astype(_BF))
     store(rv_s, u.astype(_BF))
     # Kd and Qg leave through swizzled tiles (D's and E's, free now), one 64-channel part each:
@@ -402,6 +450,21 @@ def _prep_body(K, V, scale, lower_bound, token_space_beta, *refs):
 # Debugging only (bench/kda_prefill_debug.py --repro sets it in its own worker process): kernel 1
 # reads beta in token space as before the fix, to reproduce the fault on the GPU.
 _TOKEN_SPACE_BETA = False
+# Kernel 1's WGMMA A operands (the Akk / Aqk row factors, the inverse's left factors, T^-1 for W
+# and U) from registers instead of SMEM tiles: fewer SMEM stores and fences on the GPU; the same
+# products (interpret mode, whose wgmma takes SMEM operands only, always stages them). Read at
+# trace time.
+A_FROM_REGISTERS = True
+# Both kernels compiled with CompilerParams(unsafe_no_auto_barriers=True): Pallas otherwise puts a
+# warpgroup barrier before every TMA copy and before and after every SMEM store (~20 per chunk in
+# kernel 2, ~240 per program in kernel 1), which keeps the 4 warps in lockstep. Instead, each write
+# to SMEM that other threads or WGMMAs have read since the last barrier is preceded by an explicit
+# one (`sync` in the kernel bodies), and every write read by TMA / WGMMA is followed by
+# commit_smem as before. Read at trace time (kernel 1 keeps Pallas' barriers for K = 64).
+OWN_BARRIERS = True
+# Timing diagnostics only (bench/kda_prefill_phases.py): kernel 1 phases left out, from
+# {"cumsum", "intra", "inverse", "rhs", "wu"}; the outputs are wrong then. Read at trace time.
+_SKIP_PHASES: frozenset = frozenset()
 
 
 def _beta_chunks(beta_t, tok0, ntok):
@@ -463,15 +526,19 @@ def _prep(tok0, ntok, q, k, v, g, beta_t, gate, scale, interpret):
         scratch.append(plgpu.SMEM((K,), _F32))                     # dt_bias row of this head
         args += [dt_bias, a_exp]
     scratch.append(plgpu.Barrier(num_barriers=6 if gate is not None else 5))
+    # K = 64: the cumsum's column layout is replicated (several threads read and write one G
+    # element), which needs Pallas' barriers around every store.
+    own_barriers = OWN_BARRIERS and K == 128
     return plgpu.kernel(
-        functools.partial(_prep_body, K, V, scale, lower_bound, _TOKEN_SPACE_BETA),
+        functools.partial(_prep_body, K, V, scale, lower_bound, _TOKEN_SPACE_BETA, A_FROM_REGISTERS,
+                          frozenset(_SKIP_PHASES), bool(interpret), own_barriers),
         out_type=(sd(N, H, C, K), sd(N, H, C, V), sd(N, H, C, K), sd(N, H, C, K), sd(N, H, C, C),
                   sd(N, H, K, dt=_F32)),
         scratch_types=tuple(scratch),
         grid=(N, H),
         grid_names=("n", "h"),
         kernel_name="kda_prefill_prep",     # the kernel's name in profiles
-        compiler_params=plgpu.CompilerParams(**_PARAMS),
+        compiler_params=plgpu.CompilerParams(**_PARAMS, unsafe_no_auto_barriers=own_barriers),
         interpret=interpret if interpret else None,
     )(*args)
 
@@ -499,7 +566,7 @@ def _store_rows(o_s, o_g, r0, nrows, h, cols):
         size //= 2
 
 
-def _state_body(K, V, bv, has_s0, clo_g, chi_g, cu_g, w_g, u_g, kd_g, qg_g, aqk_g, gc_g, *refs):
+def _state_body(K, V, bv, has_s0, own_barriers, clo_g, chi_g, cu_g, w_g, u_g, kd_g, qg_g, aqk_g, gc_g, *refs):
     C = CHUNK
     if has_s0:
         s0_g, *refs = refs
@@ -509,6 +576,7 @@ def _state_body(K, V, bv, has_s0, clo_g, chi_g, cu_g, w_g, u_g, kd_g, qg_g, aqk_
     lo, hi = clo_g[s], chi_g[s]
     tok_lo, tok_hi = cu_g[s], cu_g[s + 1]
     nbuf = 6
+    sync = plgpu.commit_smem if own_barriers else (lambda: None)   # see _prep_body
 
     def issue(c, slot):
         srcs = (w_g.at[c, h], qg_g.at[c, h], kd_g.at[c, h], aqk_g.at[c, h], u_g.at[c, h, :, cols],
@@ -525,46 +593,59 @@ def _state_body(K, V, bv, has_s0, clo_g, chi_g, cu_g, w_g, u_g, kd_g, qg_g, aqk_
     else:
         S = _zeros((K, bv))
 
-    def chunk(c, S):
-        i = c - lo
-        slot = lax.rem(i, jnp.int32(2))
-
-        @pl.when(c + 1 < hi)
-        def _():
-            issue(c + 1, 1 - slot)
-
-        for b in range(nbuf):
-            plgpu.barrier_wait(bars.at[slot * nbuf + b])
-        _split_store(s_op, S)
-        plgpu.commit_smem()
-
-        def first(acc_ws, acc_o):                                  # W S and Qg S
-            for part in (0, 1):
-                plgpu.wgmma(acc_ws, w_s.at[slot], s_op.at[part])
-                plgpu.wgmma(acc_o, qg_s.at[slot], s_op.at[part])
-            return acc_ws[...], acc_o[...]
-
-        ws, o = pl.run_scoped(first, plgpu.ACC((C, bv), _F32), plgpu.ACC((C, bv), _F32))
-        _split_store(vp_op, _load(u_s.at[slot]).astype(_F32) - ws)    # V' = U - W S
-        plgpu.commit_smem()
-
-        def second(acc_s, acc_o):                                  # Kd^T V' and Aqk V'
-            for part in (0, 1):
-                plgpu.wgmma(acc_s, kd_s.at[slot].transpose((1, 0)), vp_op.at[part])
-                plgpu.wgmma(acc_o, aqk_s.at[slot], vp_op.at[part])
-            return acc_s[...], acc_o[...]
-
-        ds, do = pl.run_scoped(second, plgpu.ACC((K, bv), _F32), plgpu.ACC((C, bv), _F32))
-        S = S * _rows(jnp.exp(_load(gc_s.at[slot], _ROW)), bv) + ds   # exp(G_C) S + Kd^T V'
-        o = o + do
+    def emit_o(o, i):          # chunk i's O rows out, through o_s (TMA pieces, see _store_rows)
         r0 = tok_lo + i * C
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)            # previous O store has read o_s
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)            # the last O store has read o_s
+        sync()                                                     # (waited by its issuing thread)
         store(o_s, o.astype(o_s.dtype))
         plgpu.commit_smem()
         _store_rows(o_s, o_g, r0, jnp.minimum(C, tok_hi - r0), h, cols)
-        return S
 
-    S = lax.fori_loop(lo, hi, chunk, S)
+    # One chunk: V' = U - W S, O = Qg S + Aqk V', S <- exp(G_C) S + Kd^T V'. Only W S and Kd^T V'
+    # are on the serial path; the next chunk's loads are issued while W S runs, and the previous
+    # chunk's O goes out while Kd^T V' runs (each WGMMA call is one commit group, so waiting for
+    # "all but the last 2" waits for exactly the first of two products issued back to back).
+    def chunk(c, carry):
+        S, o_prev = carry
+        i = c - lo
+        slot = lax.rem(i, jnp.int32(2))
+        for b in range(nbuf):
+            plgpu.barrier_wait(bars.at[slot * nbuf + b])
+        sync()                          # every warp is past the last chunk's MMAs on s_op, vp_op
+        _split_store(s_op, S)
+        plgpu.commit_smem()
+
+        def mmas(acc_ws, acc_o, acc_s):
+            for part in (0, 1):
+                plgpu.wgmma(acc_ws, w_s.at[slot], s_op.at[part])
+            for part in (0, 1):
+                plgpu.wgmma(acc_o, qg_s.at[slot], s_op.at[part])
+
+            @pl.when(c + 1 < hi)      # the other slot's last reader (chunk c - 1) has finished
+            def _():
+                issue(c + 1, 1 - slot)
+
+            ws = plgpu.wgmma_accumulator_load(acc_ws, wait_n=2)    # Qg S may still run
+            _split_store(vp_op, _load(u_s.at[slot]).astype(_F32) - ws)
+            plgpu.commit_smem()
+            for part in (0, 1):
+                plgpu.wgmma(acc_s, kd_s.at[slot].transpose((1, 0)), vp_op.at[part])
+            for part in (0, 1):
+                plgpu.wgmma(acc_o, aqk_s.at[slot], vp_op.at[part])
+
+            @pl.when(i > 0)
+            def _():
+                emit_o(o_prev, i - 1)
+
+            ds = plgpu.wgmma_accumulator_load(acc_s, wait_n=2)     # Aqk V' may still run
+            S_new = S * _rows(jnp.exp(_load(gc_s.at[slot], _ROW)), bv) + ds
+            return S_new, acc_o[...]
+
+        return pl.run_scoped(mmas, plgpu.ACC((C, bv), _F32), plgpu.ACC((C, bv), _F32),
+                             plgpu.ACC((K, bv), _F32))
+
+    S, o_last = lax.fori_loop(lo, hi, chunk, (S, _zeros((C, bv))))
+    emit_o(o_last, hi - 1 - lo)        # every sequence has at least one (maybe empty) chunk
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     store(s_io, S)
     plgpu.commit_smem()
@@ -581,7 +662,7 @@ def _state(clo, chi, cu, w, u, kd, qg, aqk, gc, s0, T, bv, out_dtype, interpret)
     op = swizzled(bv)                   # every WGMMA operand here shares the B operands' swizzle
     args = (clo, chi, cu, w, u, kd, qg, aqk, gc) + (() if s0 is None else (s0,))
     return plgpu.kernel(
-        functools.partial(_state_body, K, V, bv, s0 is not None),
+        functools.partial(_state_body, K, V, bv, s0 is not None, OWN_BARRIERS),
         out_type=(jax.ShapeDtypeStruct((T, H, V), out_dtype),
                   jax.ShapeDtypeStruct((S, H, K, V), _F32)),
         scratch_types=(
@@ -601,7 +682,7 @@ def _state(clo, chi, cu, w, u, kd, qg, aqk, gc, s0, T, bv, out_dtype, interpret)
         grid=(S, H, V // bv),
         grid_names=("s", "h", "j"),
         kernel_name="kda_prefill_state",
-        compiler_params=plgpu.CompilerParams(**_PARAMS),
+        compiler_params=plgpu.CompilerParams(**_PARAMS, unsafe_no_auto_barriers=OWN_BARRIERS),
         interpret=interpret if interpret else None,
     )(*args)
 

@@ -6,7 +6,10 @@ the 64-token chunk, empty and one-token sequences, with and without initial stat
 128, decay down to -9 per token, strongly correlated keys); the fused-preprocessing variant vs
 the float64 oracle; (2) packed sequences give bit-identical results to separate calls and to
 [B, T, ...] inputs; (3) the chunk tables and chunk-space beta vs a Python loop; (4) cross-lowering
-for CUDA at the Ling shape; (5) bench/kda_prefill_debug.py in interpret mode on one tiny config.
+for CUDA at the Ling shape, also with each build setting (register / SMEM A operands, own /
+Pallas' barriers; interpret mode always stages A operands in SMEM, so the register form is checked
+by cross-lowering here and on the GPU); (5) bench/kda_prefill_debug.py and
+bench/kda_prefill_phases.py in interpret mode on one tiny config.
 On a GPU (``JAX_PLATFORMS=cuda``; skipped elsewhere): the compiled kernels for each of
 kda_prefill.GPU_CHECKS (H=32, K=V=128, T in {100, 8192}, one or three packed sequences, fused or
 not), bf16 inputs, relative RMSE <= 5e-3 vs float64 on 4 heads. GPU triage, one process per check
@@ -272,6 +275,45 @@ def test_fused_cross_lowers_for_cuda_real_shape():
             sds((T, H, K), BF16), sds((T, H), F32), sds((H,), F32), sds((H * K,), F32))
     text = jax.jit(kda_prefill_fused_pallas).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2
+
+
+def test_build_settings_cross_lower_and_take_effect(monkeypatch):
+    """The trace-time settings (A_FROM_REGISTERS, OWN_BARRIERS; the GPU default is both on) each
+    cross-lower at the Ling shape, and each changes the kernels' modules (a setting that is read
+    nowhere would give the same text)."""
+    from pallas_kernels import kda_prefill as kp
+    T, H, K, V = 300, 32, 128, 128
+    sds = jax.ShapeDtypeStruct
+    args = (sds((T, H, K), BF16), sds((T, H, K), BF16), sds((T, H, V), BF16), sds((T, H, K), F32),
+            sds((T, H), F32))
+    texts = {}
+    for regs in (True, False):
+        for own in (True, False):
+            monkeypatch.setattr(kp, "A_FROM_REGISTERS", regs)
+            monkeypatch.setattr(kp, "OWN_BARRIERS", own)
+            f = lambda *a: kp.kda_prefill_pallas(*a)       # a fresh function: traced anew
+            texts[regs, own] = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert texts[regs, own].count("mosaic_gpu") >= 2
+    assert len(set(texts.values())) == 4
+
+
+def test_phases_bench_settings_and_interpret_smoke(monkeypatch):
+    """bench/kda_prefill_phases.py: build names map to the kernel settings; two builds run on CPU."""
+    monkeypatch.setenv("LINGJAX_NO_XLA_DEFAULTS", "1")          # leave this process's XLA_FLAGS
+    from bench import kda_prefill_phases as ph
+    from pallas_kernels import kda_prefill as kp
+    assert ph.variant_settings("smem") == (False, frozenset())
+    assert ph.variant_settings("regs") == (True, frozenset())
+    assert ph.variant_settings("regs-inverse") == (True, frozenset({"inverse"}))
+    assert ph.variant_settings("regs-all") == (True, frozenset(ph.PHASES))
+    with pytest.raises(ValueError, match="unknown build"):
+        ph.variant_settings("regs-nothing")
+    rec = ph.main(["--interpret", "--T", "70", "--heads", "1", "--iters", "1", "--warmup", "0",
+                   "--variants", "regs,regs-all"])
+    row = rec["results"][0]
+    assert row["T"] == 70 and row["regs_ms"] > 0 and row["regs-all_ms"] > 0
+    assert not any(k.endswith("_error") for k in row)
+    assert kp._SKIP_PHASES == frozenset() and kp.A_FROM_REGISTERS     # restored afterwards
 
 
 # ----------------------------------------------------------------------------- GPU only
