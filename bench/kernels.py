@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="size of the bandwidth-probe array (default 1024 MiB on GPU, 8 otherwise)")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
+    ap.add_argument("--own-barriers", action="store_true",
+                    help="compile the fused step without Pallas' automatic SMEM barriers (kda_step_fused.OWN_BARRIERS "
+                         "= True; not yet the default) for an A/B")
     return ap
 
 
@@ -266,6 +269,9 @@ def main(argv=None) -> dict:
     if not a.no_xla_defaults:
         xla_env.configure()
     import jax
+    if a.own_barriers:
+        from pallas_kernels import kda_step_fused
+        kda_step_fused.OWN_BARRIERS = True
 
     from bench.batch1 import measure_copy_bandwidth
     from bench.common import kernel_interpret, save_result

@@ -74,6 +74,15 @@ __all__ = ["MAX_T", "kda_fused_step_pallas", "pick_block_v"]
 
 MAX_T = 16        # tokens per call: a decode step, a speculative verify block or its commit
 L2_EPS = 1e-6     # lingjax.ops.kda.l2_normalize
+# Compile with CompilerParams(unsafe_no_auto_barriers=True)? Pallas otherwise puts a warpgroup
+# barrier before and after every SMEM store (5 row stores per token in the preparation, 1 in the
+# recurrence); the prefill kernels gained 6-8% from dropping them (session 14). None is needed
+# here: every stored row is written once (by the threads holding it, with equal values where the
+# row layout is replicated) and read only after the commit_smem barrier or by TMA; the final state
+# store follows the recurrence's cross-warp reductions, whose barriers Mosaic always emits. Off
+# until the H200 has timed it and run all GPU tests (session 14's call was cut after 10 of the 12
+# passed): `python -m bench.kernels --own-barriers`. Read at trace time.
+OWN_BARRIERS = False
 
 
 def pick_block_v(V: int, block_v: int | None) -> int:
@@ -248,6 +257,7 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         grid=(B, H, V // bv),
         grid_names=("b", "h", "v"),
         kernel_name="kda_fused_step",       # the kernel's name in profiles
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True) if OWN_BARRIERS else None,
         interpret=interpret if interpret else None,
     )
     outs = kernel(proj, proj_v, window, window_v, conv_w, conv_v, A_log, dt_bias, beta_p, n_tok, state)

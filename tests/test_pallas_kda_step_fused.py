@@ -155,6 +155,19 @@ def test_cross_lowers_for_cuda_real_shape(T, write_o, write_state):
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_own_barriers_build_cross_lowers(monkeypatch):
+    """OWN_BARRIERS = True (no automatic SMEM barriers, bench/kernels.py --own-barriers) lowers
+    too, to a different module than the default."""
+    from pallas_kernels import kda_step_fused
+    args = _inputs(1, 9, 32, 128, dtype=BF16)
+    texts = []
+    for own in (True, False):
+        monkeypatch.setattr(kda_step_fused, "OWN_BARRIERS", own)
+        fn = jax.jit(lambda *a: kda_fused_step_pallas(*a, jnp.int32(9)))     # traced anew
+        texts.append(fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+    assert all("mosaic_gpu" in t for t in texts) and texts[0] != texts[1]
+
+
 # ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
 @gpu_only
 @pytest.mark.parametrize("safe_gate", [True, False], ids=["safe", "softplus"])
