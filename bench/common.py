@@ -40,6 +40,15 @@ def save_result(name: str, record: dict, out_dir: str | Path | None = None) -> P
     return path
 
 
+def emit_record(record: dict, json_path: str | None) -> None:
+    """Print record as one JSON line (a benchmark's last line) and, with json_path, write it there."""
+    text = json.dumps(record)
+    print(text)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(text + "\n")
+
+
 def block(x):
     """Wait for every array in a pytree."""
     import jax

@@ -19,10 +19,8 @@ Ends with one JSON line; --json PATH also writes it to PATH.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-from bench.common import int_list, time_rows
+from bench.common import emit_record, int_list, time_rows
 from lingjax import xla_env
 
 PHASES = ("cumsum", "intra", "inverse", "rhs", "wu")
@@ -103,11 +101,7 @@ def main(argv=None) -> dict:
             delta = f"  (regs - this: {base - ms:+.3f} ms)" if base is not None and name != "regs" else ""
             print(f"T={T} {name:>14}: {ms:.3f} ms{delta}")
     record = {"bench": "kda_prefill_phases", "results": results, "env": env_info()}
-    text = json.dumps(record)
-    print(text)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(text + "\n")
+    emit_record(record, a.json)
     return record
 
 

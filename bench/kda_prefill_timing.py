@@ -21,11 +21,8 @@ Ends with one JSON line; --json PATH also writes it to PATH.
 from __future__ import annotations
 
 import argparse
-import json
-import time
-from pathlib import Path
 
-from bench.common import int_list, time_rows
+from bench.common import emit_record, int_list, time_rows
 from lingjax import xla_env
 
 FLA_MS = {8192: 1.09, 65536: 8.25}      # FLA chunk_kda on the H200 (spec/kda.md)
@@ -188,11 +185,7 @@ def main(argv=None) -> dict:
     record = {"bench": "kda_prefill", "copy_GBps": copy_bw / 1e9, "pallas_barriers": a.pallas_barriers,
               "results": results,
               "env": env_info()}
-    text = json.dumps(record)
-    print(text)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(text + "\n")
+    emit_record(record, a.json)
     return record
 
 
