@@ -80,9 +80,10 @@ by the model's bf16 / fp8 prefill chunks under ``kda_kernel="pallas"``. Speed
 5.7 ms; FLA 1.09 / 8.25, targets 0.55 / 4.1. Known limits (Nsight Compute, session 14): kernel 1
 uses 255 registers and 112.7 KiB of SMEM, so 2 CTAs (8 warps) per SM, too few to hide its
 latencies; its Akk / Aqk blocks and the inverse take ~0.18 and ~0.16 ms of the 0.50
-(bench/kda_prefill_phases.py), loads and stores alone 0.19. Kernel 2 has one CTA per SM and
-issues ~900 instructions per warp and chunk, a third of them TMA issue and O output
-bookkeeping. History: a beta TMA box starting at an unaligned token faulted on the GPU (fixed:
+(bench/kda_prefill_phases.py, measured before OWN_BARRIERS), loads and stores alone 0.19.
+Kernel 2 has one CTA per SM and issued ~900 instructions per warp and chunk before OWN_BARRIERS,
+a third of them TMA issue and O output bookkeeping. OWN_BARRIERS is checked on the H200 at K = 128
+only (kernel 2 uses it at K = 64 too; kernel 1 does not). History: a beta TMA box starting at an unaligned token faulted on the GPU (fixed:
 chunk-space beta); unrolled Python loops made kernel 1 instruction-fetch bound (1.48 ms; fixed:
 fori_loops); unpadded q, k, G rows cost 8-way bank conflicts per tile load (fixed: PAD).
 
