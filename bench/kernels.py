@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
     ap.add_argument("--own-barriers", action="store_true",
                     help="compile the fused step without Pallas' automatic SMEM barriers (kda_step_fused.OWN_BARRIERS "
-                         "= True; not yet the default) for an A/B")
+                         "= True; off by default: no full-depth gain measured) for an A/B")
     return ap
 
 

@@ -79,9 +79,11 @@ L2_EPS = 1e-6     # lingjax.ops.kda.l2_normalize
 # recurrence); the prefill kernels gained 6-8% from dropping them (session 14). None is needed
 # here: every stored row is written once (by the threads holding it, with equal values where the
 # row layout is replicated) and read only after the commit_smem barrier or by TMA; the final state
-# store follows the recurrence's cross-warp reductions, whose barriers Mosaic always emits. Off
-# until the H200 has timed it and run all GPU tests (session 14's call was cut after 10 of the 12
-# passed): `python -m bench.kernels --own-barriers`. Read at trace time.
+# store follows the recurrence's cross-warp reductions, whose barriers Mosaic always emits. Off:
+# on the H200 (session 15, runs 61-62) it passed the GPU tests (10 of 12 in run 60, the 6 bf16 ones
+# in run 61) and made the isolated verify T = 9 call faster (bench.kernels --own-barriers: 7.8 vs
+# 9.9 us), decode and commit not, and the full-depth DSpark step did not change (9.52 vs 9.50 ms);
+# no measured gain in the model for a hand-audited setting. Read at trace time.
 OWN_BARRIERS = False
 
 
