@@ -1,15 +1,16 @@
-"""The MoE router (lingjax.ops.moe.route) with lax.top_k (sorts) vs top_k_by_rank (no sort).
+"""The MoE router (lingjax.ops.moe.route) with each of its selections: sorts vs rank comparisons.
 
     python -m bench.router_timing --M 1,9            # on the H200
     python -m bench.router_timing --M 1 --iters 2     # any host (a smoke run, not a timing)
 
 Ling-3.0-flash router: x [M, 2560] bf16 @ router [2560, 512] bf16, fp32 sigmoid scores plus a
 spread bias, 8 groups (top-2 sum), 4 groups kept, top-8 experts, normalised weights. Rows per M:
-`sort` (every top-k through jax.lax.top_k, a sort kernel on the GPU) and `rank` (top_k_by_rank:
-comparisons and reductions; the model takes it for M <= lingjax.ops.moe.SORT_FREE_MAX_ROWS = 16
-since this timing showed it pays on the H200, session 7), µs per call inside one jitted loop
-(bench.common.time_in_loop, the loop's own per-call cost subtracted), and whether the two give
-the same experts and weights for the same inputs.
+`sort` (every top-k through jax.lax.top_k, a sort kernel on the GPU), `rank` (top_k_by_rank:
+comparisons and reductions, one 512 x 512 comparison per token for the final top-8; session 7) and
+`grouped-rank` (grouped_top_k_by_rank: each group's top-8 by rank, then the top-8 of the kept
+groups' 32 candidates; the model's selection for M <= lingjax.ops.moe.SORT_FREE_MAX_ROWS = 16),
+µs per call inside one jitted loop (bench.common.time_in_loop, the loop's own per-call cost
+subtracted), and whether each gives the sorted selection's experts and weights for the same inputs.
 """
 from __future__ import annotations
 
@@ -59,18 +60,22 @@ def main(argv=None) -> dict:
         outs = {}
         overhead = loop_overhead(sets, a.iters)
         row["loop_overhead_us"] = overhead * 1e6
-        for name, by_rank in (("sort", False), ("rank", True)):
-            def f(x, w, b, by_rank=by_rank):
-                return moe.route(x, w, b, by_rank=by_rank, **kw)
+        for name in moe.SELECTIONS:
+            def f(x, w, b, selection=name):
+                return moe.route(x, w, b, selection=selection, **kw)
             outs[name] = [np.asarray(o) for o in jax.jit(f)(*sets[0])]
             t = time_in_loop(f, sets, a.iters)
             row[f"{name}_us"] = (t - overhead) * 1e6
             row[f"{name}_raw_us"] = t * 1e6
-        row["same_routing"] = bool(all(np.array_equal(p, q) for p, q in zip(outs["sort"], outs["rank"])))
+        same = {name: bool(all(np.array_equal(p, q) for p, q in zip(outs["sort"], outs[name])))
+                for name in moe.SELECTIONS[1:]}
+        row["same_routing"] = all(same.values())
+        row["same_routing_by_selection"] = same
         rows.append(row)
-        print(f"M={m:2d}: sort {row['sort_us']:6.1f} us, rank {row['rank_us']:6.1f} us per call "
-              f"(loop overhead {row['loop_overhead_us']:.1f} us subtracted); same routing: {row['same_routing']}"
-              + ("  [not a GPU: smoke run, not a timing]" if smoke else ""), flush=True)
+        times = ", ".join(f"{name} {row[name + '_us']:6.1f}" for name in moe.SELECTIONS)
+        print(f"M={m:2d}: {times} us per call (loop overhead {row['loop_overhead_us']:.1f} us subtracted); "
+              f"same routing as sort: {same}" + ("  [not a GPU: smoke run, not a timing]" if smoke else ""),
+              flush=True)
     rec = {"bench": "router_timing", "iters": a.iters, "smoke": smoke, "rows": rows}
     rec["result_path"] = str(save_result("router_timing", rec, a.out))
     return rec

@@ -16,8 +16,9 @@ expert chosen only with weight 0 is not read at all.
 Design
 ------
 * XLA prologue (tiny): the M*k ids of the slots with a nonzero combine weight are deduplicated
-  into ``uniq [U]`` with the static bound U = min(M*k, E) (sorted, padded with -1; for one token
-  its slots as they are, zero-weight ones -1), the combine weights become ``wu [U, M]`` (0 for
+  into ``uniq [U]`` with the static bound U = min(M*k, E) (each expert at its first (token, slot)
+  pair, -1 at repeats and zero-weight slots; sorted and compacted only when M*k > E:
+  `dedupe_experts`), the combine weights become ``wu [U, M]`` (0 for
   padding), x is zero-padded to ``xp [16, D]`` bf16. fp8 block scales are not gathered: each
   program copies its expert's whole scale block (``scale_rows``: the stored [.., IN, OUT] blocks
   flattened, a free reshape for Ling-3.0) to SMEM with one TMA and indexes it there (session 10;
@@ -135,16 +136,20 @@ _WG = plgpu.Layout.WGMMA
 
 
 def dedupe_experts(idx, w, n_experts: int):
-    """idx [M, k] int32, w [M, k] -> (uniq [U] int32 sorted, -1 padded; wu [U, M] float32).
+    """idx [M, k] int32, w [M, k] -> (uniq [U] int32, -1 padded; wu [U, M] float32).
 
     U = min(M*k, n_experts) (static). wu[u, m] = sum of token m's combine weights for uniq[u].
     A (token, slot) whose combine weight is exactly 0 (``expert_keep`` in lingjax/approx.py drops
     slots that way) does not count: an expert chosen only with weight 0 is not in uniq, so the
     kernels never read it (its contribution, 0 * y, is dropped; y is not computed).
-    One token (M = 1, every plain decode step): the slots are taken as they are, in slot order,
-    zero-weight ones as -1 — no sort, scan or scatter (XLA kernels of a few µs each, 40 layers a
-    step). The router's k slots of one token name distinct experts; a caller's duplicate slot
-    would be read twice and still combine exactly.
+    M*k <= n_experts (every verify block of Ling-3.0-flash): slot u is the u-th (token, slot) pair
+    in token-major order, kept where its expert was not chosen by an earlier pair (-1 where it was,
+    or where its weight is 0): one [M*k, M*k] comparison, a fusion or two, no sort, cumsum or
+    scatter (session 16; those were ~8 us of XLA kernels per MoE layer call). One token (M = 1,
+    every plain decode step) is the same rule without comparisons: the router's k slots of one
+    token name distinct experts (a caller's duplicate slot would be read twice and still combine
+    exactly). Otherwise (more slots than experts: small test models) uniq is the sorted distinct
+    ids, compacted to the front.
     """
     M, k = idx.shape
     U = min(M * k, n_experts)
@@ -152,6 +157,18 @@ def dedupe_experts(idx, w, n_experts: int):
         keep = w[0] != 0
         return (jnp.where(keep, idx[0].astype(jnp.int32), -1)[:U],
                 jnp.where(keep, w[0].astype(_F32), 0.0)[:U, None])
+    if M * k <= n_experts:
+        ids = jnp.where(w.reshape(-1) != 0, idx.reshape(-1).astype(jnp.int32), -1)     # [M*k]
+        pair = jnp.arange(M * k)
+        same = (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)                     # [u, j]
+        first = (ids >= 0) & ~jnp.any(same & (pair[None, :] < pair[:, None]), axis=1)
+        uniq = jnp.where(first, ids, -1)
+        tok = pair // k                                                                 # token of pair j
+        # token m chose expert ids[u] in at most one slot: one nonzero term per (u, m), exact (a
+        # select and sum, not a dot, which a GPU may run in TF32)
+        hit = (same & first[:, None])[:, :, None] & (tok[:, None] == jnp.arange(M)[None, :])[None]  # [u, j, m]
+        wu = jnp.sum(jnp.where(hit, w.reshape(1, -1, 1).astype(_F32), 0.0), axis=1)
+        return uniq, wu
     flat = jnp.where(w.reshape(-1) != 0, idx.reshape(-1).astype(jnp.int32), n_experts)  # 0: sentinel E
     s = jnp.sort(flat)                                               # sentinels sort last
     new = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]]) & (s < n_experts)

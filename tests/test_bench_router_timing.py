@@ -1,4 +1,4 @@
-"""bench/router_timing.py as a CPU smoke run: both router paths run and agree; bad flags."""
+"""bench/router_timing.py as a CPU smoke run: every router selection runs and agrees with the sorted one; bad flags."""
 import pytest
 
 from bench import router_timing

@@ -108,22 +108,55 @@ def test_top_k_by_rank_is_lax_top_k(n, k, dtype):
     np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
 
 
-def test_route_by_rank_gives_the_same_routing():
-    """route(by_rank=True) and route(by_rank=False): the same experts and weights for the same
-    tokens (Ling-3.0-flash router shape, spread bias); the default follows SORT_FREE_MAX_ROWS."""
-    rng = np.random.default_rng(7)
+@pytest.mark.parametrize("selection", ["rank", "grouped-rank"])
+@pytest.mark.parametrize("coarse", [False, True])
+def test_sort_free_routing_is_the_sorted_routing(selection, coarse):
+    """route(selection="rank" / "grouped-rank") and route(selection="sort"): the same experts in the
+    same order and the same weights for the same tokens (Ling-3.0-flash router shape, spread bias;
+    coarse: scores on a 1/8 grid, so that ties inside and across groups decide); the default
+    follows SORT_FREE_MAX_ROWS."""
+    rng = np.random.default_rng(7 + coarse)
     e, d = 512, 64
     x = jnp.asarray(rng.standard_normal((20, d)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((d, e)) * d ** -0.5, jnp.float32)
     bias = jnp.asarray(np.round(rng.standard_normal(e), 1), jnp.float32)   # coarse: ties in the bias
+    if coarse:          # x @ w = 0: s = 0.5 everywhere, the selection by a bias with many exact ties
+        x, bias = jnp.zeros_like(x), jnp.asarray(np.round(rng.standard_normal(e) * 4) / 8, jnp.float32)
     kw = dict(n_group=8, topk_group=4, top_k=8, norm_topk_prob=True, routed_scaling_factor=2.5)
-    big_idx, big_w = route(x, w, bias, by_rank=False, **kw)                   # lax.top_k
-    small_idx, small_w = route(x[:16], w, bias, by_rank=True, **kw)           # by rank
+    big_idx, big_w = route(x, w, bias, selection="sort", **kw)                 # lax.top_k
+    small_idx, small_w = route(x[:16], w, bias, selection=selection, **kw)
     np.testing.assert_array_equal(np.asarray(small_idx), np.asarray(big_idx[:16]))
     np.testing.assert_array_equal(np.asarray(small_w), np.asarray(big_w[:16]))
     default_idx, _ = route(x, w, bias, **kw)
     np.testing.assert_array_equal(np.asarray(default_idx), np.asarray(big_idx))
     assert moe_ops.SORT_FREE_MAX_ROWS < 20                                  # 20 rows: lax.top_k by default
+
+
+@pytest.mark.parametrize("e,n_group,topk_group,top_k", [(16, 4, 2, 4), (16, 4, 2, 6), (64, 8, 3, 8),
+                                                        (32, 4, 1, 8), (24, 8, 8, 16)])
+def test_grouped_top_k_by_rank_is_the_masked_top_k(e, n_group, topk_group, top_k):
+    """grouped_top_k_by_rank against the top_k over every kept group's experts, on scores with heavy
+    ties, signed zeros and groups with fewer experts than top_k (kk = E/G < top_k)."""
+    rng = np.random.default_rng(e + 7 * top_k)
+    b = np.round(rng.standard_normal((32, e)) * 2) / 4
+    b[0] = 0.0
+    b[1, ::2] = -0.0
+    b = jnp.asarray(b, jnp.float32)
+    n, per = b.shape[0], e // n_group
+    group_score = jax.lax.top_k(b.reshape(n, n_group, per), 2)[0].sum(-1)
+    keep = jax.lax.top_k(group_score, topk_group)[1]
+    mask = jnp.repeat(jax.nn.one_hot(keep, n_group, dtype=jnp.bool_).any(1), per, axis=1)
+    want = jax.lax.top_k(jnp.where(mask, b, -jnp.inf), top_k)[1]
+    got = moe_ops.grouped_top_k_by_rank(b, n_group, topk_group, top_k)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_route_rejects_an_unknown_selection():
+    x, w = np.ones((2, 4)), np.zeros((4, 16))
+    with pytest.raises(ValueError, match="selection must be one of"):
+        route(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), jnp.zeros((16,)), top_k=2,
+              selection="heap", **KW)
 
 
 # ---- route: crafted edge cases ------------------------------------------------------------------

@@ -113,15 +113,16 @@ def _check(out, ref, tol):
 
 
 def test_dedupe_experts():
+    """M*k <= E: each expert at its first (token, slot) pair in token-major order, -1 at repeats."""
     idx = jnp.asarray([[5, 2, 9], [2, 7, 5]], jnp.int32)
     w = jnp.asarray([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]], F32)
     uniq, wu = dedupe_experts(idx, w, 16)
     assert uniq.shape == (6,) and wu.shape == (6, 2)
-    np.testing.assert_array_equal(np.asarray(uniq), [2, 5, 7, 9, -1, -1])
-    np.testing.assert_allclose(np.asarray(wu), [[0.2, 0.4], [0.1, 0.6], [0, 0.5], [0.3, 0], [0, 0], [0, 0]],
-                               rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(uniq), [5, 2, 9, -1, 7, -1])
+    np.testing.assert_array_equal(np.asarray(wu), np.asarray([[0.1, 0.6], [0.2, 0.4], [0.3, 0], [0, 0], [0, 0.5],
+                                                              [0, 0]], F32))
     uniq, wu = dedupe_experts(jnp.asarray([[3, 1]] * 5, jnp.int32), jnp.ones((5, 2), F32), 4)
-    assert uniq.shape == (4,)                                    # bound min(M*k, E)
+    assert uniq.shape == (4,)                                    # M*k > E: bound min(M*k, E), sorted
     np.testing.assert_array_equal(np.asarray(uniq), [1, 3, -1, -1])
     np.testing.assert_allclose(np.asarray(wu), [[1] * 5, [1] * 5, [0] * 5, [0] * 5])
 
@@ -132,12 +133,33 @@ def test_dedupe_skips_zero_weight_slots():
     idx = jnp.asarray([[5, 2, 9], [2, 7, 5]], jnp.int32)
     w = jnp.asarray([[0.1, 0.2, 0.0], [-0.0, 0.5, 0.6]], F32)
     uniq, wu = dedupe_experts(idx, w, 16)
-    np.testing.assert_array_equal(np.asarray(uniq), [2, 5, 7, -1, -1, -1])
-    np.testing.assert_allclose(np.asarray(wu), [[0.2, 0], [0.1, 0.6], [0, 0.5], [0, 0], [0, 0], [0, 0]],
-                               rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(uniq), [5, 2, -1, -1, 7, -1])
+    np.testing.assert_array_equal(np.asarray(wu), np.asarray([[0.1, 0.6], [0.2, 0], [0, 0], [0, 0], [0, 0.5],
+                                                              [0, 0]], F32))
     uniq, wu = dedupe_experts(idx, jnp.zeros_like(w), 16)          # nothing to run at all
     np.testing.assert_array_equal(np.asarray(uniq), [-1] * 6)
     assert not np.asarray(wu).any()
+    uniq, wu = dedupe_experts(jnp.asarray([[3, 1]] * 5, jnp.int32),  # M*k > E, the sorted path
+                              jnp.asarray([[0.0, 1.0]] * 5, F32), 4)
+    np.testing.assert_array_equal(np.asarray(uniq), [1, -1, -1, -1])
+
+
+@pytest.mark.parametrize("M,k,E", [(9, 8, 512), (16, 8, 512), (4, 3, 12), (7, 2, 16)])
+def test_dedupe_experts_matches_a_dense_combine(M, k, E):
+    """Both dedupe paths against the dense [M, E] combine matrix: every expert with a nonzero
+    weight appears exactly once, carrying each token's weight for it; nothing else appears."""
+    rng = np.random.default_rng(M * 100 + E)
+    idx = np.stack([rng.choice(min(E, 12), k, replace=False) for _ in range(M)])   # heavy overlap
+    w = rng.uniform(0.1, 1.0, (M, k)).astype(np.float32)
+    w[rng.random((M, k)) < 0.2] = 0.0
+    uniq, wu = (np.asarray(a) for a in dedupe_experts(jnp.asarray(idx, jnp.int32), jnp.asarray(w), E))
+    dense = np.zeros((M, E), np.float32)
+    np.add.at(dense, (np.arange(M)[:, None], idx), w)
+    used = uniq[uniq >= 0]
+    assert len(set(used.tolist())) == len(used)                                  # each expert once
+    assert set(used.tolist()) == set(np.flatnonzero(dense.any(0)).tolist())
+    np.testing.assert_array_equal(wu[uniq >= 0], dense[:, used].T)
+    assert not wu[uniq < 0].any()
 
 
 @pytest.mark.parametrize("shape,rows", [((3, 2, 20, 6), (1, 240)),     # Ling-3.0 gate/up: a free reshape

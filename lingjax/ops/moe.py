@@ -41,29 +41,36 @@ def _param_like(w):
     return w if isinstance(w, (Fp8Weight, nnx.Variable)) else _Array(jnp.asarray(w))
 
 
-# Routers of up to this many tokens take top_k_by_rank instead of lax.top_k (same result): decode
-# and verify blocks. H200 (session 7, `python -m bench.router_timing --M 1,9`): the whole router
-# 16.9 vs 22.2 us per call at M = 1, 15.4 vs 18.7 at M = 9. On the CPU the rank path is slower.
+# Routers of up to this many tokens select without sorts (SELECTIONS: "grouped-rank"), larger ones
+# through lax.top_k ("sort"); all give the same experts. H200 (session 7, `python -m
+# bench.router_timing --M 1,9`): the flat "rank" router 16.9 vs 22.2 us per call at M = 1, 15.4 vs
+# 18.7 at M = 9. On the CPU the rank paths are slower.
 SORT_FREE_MAX_ROWS = 16
+SELECTIONS = ("sort", "rank", "grouped-rank")
 
 
-def top_k_by_rank(x, k: int):
+def top_k_by_rank(x, k: int, ids=None):
     """jax.lax.top_k without a sort: (values, indices) [..., k], descending, ties to the lower index.
 
     rank[i] = #{j: x[j] > x[i], or x[j] == x[i] and j < i} is a permutation of 0..n-1 and the k
     entries of rank < k are the top k: n^2 comparisons per row, a few reductions for XLA, where
     lax.top_k is a sort kernel (3 µs each on the H200, three per router call). For the decode /
-    verify router (n <= 512, <= 16 rows); NaN entries (never in a router's scores) break it."""
+    verify router (n <= 512, <= 16 rows); NaN entries (never in a router's scores) break it.
+    ids (optional, int [..., n], distinct per row): ties go to the lower id instead of the lower
+    position, and the returned indices are the chosen entries' ids."""
     n = x.shape[-1]
-    i = jnp.arange(n)
+    pos = jnp.arange(n)
+    i = pos if ids is None else ids
+    ii, ij = i[..., :, None], i[..., None, :]
     xi, xj = x[..., :, None], x[..., None, :]
     neg = jnp.signbit(x)                                # lax.top_k's total order puts -0.0 below +0.0
     ni, nj = neg[..., :, None], neg[..., None, :]
-    tie = (xj == xi) & (nj == ni) & (i[None, :] < i[:, None])
+    tie = (xj == xi) & (nj == ni) & (ij < ii)
     beats = (xj > xi) | ((xj == xi) & ni & ~nj) | tie                       # [..., n, n]: j beats i
     rank = beats.sum(-1, dtype=jnp.int32)                                   # [..., n]
-    idx = jnp.sum(jnp.where(rank[..., None, :] == jnp.arange(k)[:, None], i, 0), axis=-1, dtype=jnp.int32)
-    return jnp.take_along_axis(x, idx, axis=-1), idx
+    at = jnp.sum(jnp.where(rank[..., None, :] == jnp.arange(k)[:, None], pos, 0), axis=-1, dtype=jnp.int32)
+    chosen = at if ids is None else jnp.take_along_axis(ids, at, axis=-1).astype(jnp.int32)
+    return jnp.take_along_axis(x, at, axis=-1), chosen
 
 
 def router_logits(x, w_router, acc):
@@ -77,9 +84,31 @@ def router_logits(x, w_router, acc):
     return jnp.dot(x, w_router, preferred_element_type=acc)
 
 
+def grouped_top_k_by_rank(biased, n_group: int, topk_group: int, top_k: int):
+    """The group-limited selection of `route` without sorts and without one n^2 comparison over all
+    E experts: idx [N, top_k] int32, the same experts in the same order as `route`'s other selections.
+
+    biased [N, E] -> each group's top kk = min(top_k, E/G) by `top_k_by_rank` ([G, E/G, E/G]
+    comparisons a row; its top 2 give the group score), the topk_group best groups, then the top_k
+    of their G * kk candidates ranked with ties to the lower expert id ([G kk, G kk] comparisons;
+    Ling-3.0-flash: 8 * 64^2 + 64^2 instead of 512^2). The same experts in the same order as the
+    top_k over every kept group's experts: an expert in that top_k is beaten by fewer than top_k
+    experts, so by fewer than kk of its own group's."""
+    n, e = biased.shape
+    per = e // n_group
+    kk = min(top_k, per)
+    gv, gi = top_k_by_rank(biased.reshape(n, n_group, per), min(max(kk, 2), per))   # [N, G, r]
+    group_score = gv[..., :2].sum(-1)                                       # = top 2 per group, summed
+    _, keep = top_k_by_rank(group_score, topk_group)                        # [N, topk_group]
+    group_mask = jax.nn.one_hot(keep, n_group, dtype=jnp.bool_).any(axis=1)  # [N, G]
+    cand = jnp.where(group_mask[..., None], gv[..., :kk], -jnp.inf).reshape(n, n_group * kk)
+    ids = (gi[..., :kk] + per * jnp.arange(n_group, dtype=jnp.int32)[:, None]).reshape(n, n_group * kk)
+    return top_k_by_rank(cand, top_k, ids=ids)[1]
+
+
 def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int,
           norm_topk_prob: bool, routed_scaling_factor: float, expert_keep: float | None = None,
-          bf16_logits: bool = False, by_rank: bool | None = None):
+          bf16_logits: bool = False, selection: str | None = None):
     """Group-limited top-k routing (published BailingMoeV3 semantics).
 
     x [N, D]; w_router [D, E]; expert_bias [E]. Returns (idx [N, k] int32, weight [N, k] acc).
@@ -90,26 +119,32 @@ def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int
     times routed_scaling_factor.
     Approximate modes (off by default): bf16_logits computes logits and sigmoid in bfloat16;
     expert_keep=X keeps the heaviest experts carrying X of s before normalising (`keep_top_share`).
-    by_rank: the top-k's through `top_k_by_rank` (True) or lax.top_k (False), the same result;
-    None: by rank for at most SORT_FREE_MAX_ROWS tokens.
+    selection (SELECTIONS, the same result): "sort" every top-k through lax.top_k, "rank" through
+    `top_k_by_rank`, "grouped-rank" `grouped_top_k_by_rank`; None: "grouped-rank" for at most
+    SORT_FREE_MAX_ROWS tokens, else "sort".
     """
     acc = acc_dtype(x.dtype)
+    if selection is None:
+        selection = "grouped-rank" if x.shape[0] <= SORT_FREE_MAX_ROWS else "sort"
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
     if bf16_logits:
         s = jax.nn.sigmoid(jnp.dot(x.astype(jnp.bfloat16), w_router.astype(jnp.bfloat16))).astype(acc)
     else:
         s = jax.nn.sigmoid(router_logits(x, w_router, acc))
     biased = s + expert_bias.astype(acc)
     n, e = biased.shape
-    if by_rank is None:
-        by_rank = n <= SORT_FREE_MAX_ROWS
-    top = top_k_by_rank if by_rank else jax.lax.top_k                        # same result
-    grouped = biased.reshape(n, n_group, e // n_group)
-    group_score = top(grouped, 2)[0].sum(-1)                                # [N, G]
-    _, keep = top(group_score, topk_group)                                  # [N, topk_group]
-    group_mask = jax.nn.one_hot(keep, n_group, dtype=jnp.bool_).any(axis=1)  # [N, G]
-    expert_mask = jnp.repeat(group_mask, e // n_group, axis=1)
-    masked = jnp.where(expert_mask, biased, -jnp.inf)
-    _, idx = top(masked, top_k)
+    if selection == "grouped-rank":
+        idx = grouped_top_k_by_rank(biased, n_group, topk_group, top_k)
+    else:
+        top = top_k_by_rank if selection == "rank" else jax.lax.top_k          # same result
+        grouped = biased.reshape(n, n_group, e // n_group)
+        group_score = top(grouped, 2)[0].sum(-1)                            # [N, G]
+        _, keep = top(group_score, topk_group)                              # [N, topk_group]
+        group_mask = jax.nn.one_hot(keep, n_group, dtype=jnp.bool_).any(axis=1)  # [N, G]
+        expert_mask = jnp.repeat(group_mask, e // n_group, axis=1)
+        masked = jnp.where(expert_mask, biased, -jnp.inf)
+        _, idx = top(masked, top_k)
     w = jnp.take_along_axis(s, idx, axis=1)
     if expert_keep is not None:
         idx, w = keep_top_share(idx, w, expert_keep)
