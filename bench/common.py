@@ -93,7 +93,7 @@ def time_fn(f, args, iters, warmup):
 LOOP_SMOKE = {"per_iter": 1, "repeats": 1}
 
 
-def loop_program(f, n_sets: int, iters: int, per_iter: int = 8):
+def loop_program(f, n_sets: int, iters: int, per_iter: int = 8, carry_last: bool = False):
     """(jitted run(arg_sets) -> outputs, calls per iteration) for `time_in_loop`. The loop carries
     each call's last output and a float32 tag per call (1, 2, ...: distinct, so XLA cannot prove
     two calls' carries equal and merge them; on the H200 its while-loop simplifier merged 8 calls
@@ -101,7 +101,14 @@ def loop_program(f, n_sets: int, iters: int, per_iter: int = 8):
     becomes x + 0 * tag_j, tag_j itself becomes tag_j + 0 * (an element of call j's previous
     output), and (x, *rest) then pass through one optimization_barrier, so no part of a call is
     loop-invariant: XLA hoists neither the call nor its x-independent work (a dequantisation, a
-    routing prologue) out of the loop."""
+    routing prologue) out of the loop.
+
+    carry_last: the last argument is a state that f updates and returns, f(x, *rest, state) ->
+    (out, new_state) of state's structure (a layer and its KV cache): call j's state starts as
+    its argument set's and is carried from one iteration to the next (each call its own copy), so
+    an update in place (a cache write) stays in place, as in a decode loop. Without it, a state
+    taken from the loop-invariant argument sets is copied whole before every update. The carried
+    state skips the barrier: it changes every iteration, so nothing can be hoisted from it."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -122,29 +129,42 @@ def loop_program(f, n_sets: int, iters: int, per_iter: int = 8):
             outs = []
             for j, args in enumerate(picks):
                 x = args[0] + (0.0 * tags[j]).astype(args[0].dtype)
-                x, *rest = lax.optimization_barrier((x, *args[1:]))
+                if carry_last:
+                    x, *rest = lax.optimization_barrier((x, *args[1:-1]))
+                    rest = (*rest, prevs[j][1])
+                else:
+                    x, *rest = lax.optimization_barrier((x, *args[1:]))
                 outs.append(f(x, *rest))
             return tags, tuple(outs)
         shapes = jax.eval_shape(lambda: tuple(f(*args) for args in picks))
-        init = (jnp.arange(1, n_calls + 1, dtype=jnp.float32),
-                jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes))
+        prevs = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
+        if carry_last:
+            def sig(tree):
+                return jax.tree.structure(tree), [(jnp.shape(v), jnp.result_type(v)) for v in jax.tree.leaves(tree)]
+            for args, out in zip(picks, shapes):
+                if not (isinstance(out, tuple) and len(out) == 2 and sig(out[1]) == sig(args[-1])):
+                    raise TypeError("time_in_loop(carry_last=True): f must return (out, new_state) with new_state "
+                                    "of its last argument's structure, shapes and dtypes")
+            prevs = tuple((p[0], args[-1]) for p, args in zip(prevs, picks))
+        init = (jnp.arange(1, n_calls + 1, dtype=jnp.float32), prevs)
         return lax.fori_loop(0, iters, body, init)[1]
 
     return run, n_calls
 
 
-def time_in_loop(f, arg_sets, iters: int, per_iter: int = 8, repeats: int = 3) -> float:
+def time_in_loop(f, arg_sets, iters: int, per_iter: int = 8, repeats: int = 3, carry_last: bool = False) -> float:
     """Seconds per call of f(*args) inside one jitted lax.fori_loop of `iters` iterations, each
     calling f max(per_iter, S) times and cycling over the S argument tuples of arg_sets (e.g. weight
     copies at different addresses, together larger than the H200's 60 MB L2, as a model's layers
     are). `loop_program` keeps every call, whole, inside the loop (no hoisting, merging or dead
     code); its dependency ops are small fused ops per call: subtract `loop_overhead` for the call's
     own time (`loop_fields`). No dispatch or host round trip per call (unlike `time_fn`). Median
-    of `repeats` runs after one warm-up run (compile)."""
+    of `repeats` runs after one warm-up run (compile). carry_last: f's last argument is a state
+    it updates and returns, carried across iterations (`loop_program`)."""
     import jax
     import numpy as np
     arg_sets = [tuple(a) for a in arg_sets]
-    run, n_calls = loop_program(f, len(arg_sets), iters, per_iter)
+    run, n_calls = loop_program(f, len(arg_sets), iters, per_iter, carry_last)
     jax.block_until_ready(run(arg_sets))
     ts = []
     for _ in range(repeats):
@@ -154,10 +174,12 @@ def time_in_loop(f, arg_sets, iters: int, per_iter: int = 8, repeats: int = 3) -
     return float(np.median(ts)) / (iters * n_calls)
 
 
-def loop_overhead(arg_sets, iters: int, **kw) -> float:
-    """`time_in_loop` of a call that does nothing but return its (dependency-added) first argument:
-    the per-call cost of the loop and of the dependency op, to subtract."""
-    return time_in_loop(lambda x, *rest: x, arg_sets, iters, **kw)
+def loop_overhead(arg_sets, iters: int, carry_last: bool = False, **kw) -> float:
+    """`time_in_loop` of a call that does nothing but return its (dependency-added) first argument
+    (and, with carry_last, its state unchanged): the per-call cost of the loop and of the
+    dependency op, to subtract."""
+    f = (lambda x, *rest: (x, rest[-1])) if carry_last else (lambda x, *rest: x)
+    return time_in_loop(f, arg_sets, iters, carry_last=carry_last, **kw)
 
 
 def loop_fields(name: str, t: float, overhead: float, nbytes: float, copy_bw: float) -> dict:

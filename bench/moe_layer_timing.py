@@ -17,12 +17,11 @@ is read from.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
-import re
 from pathlib import Path
 
 from bench.common import choice_list, int_list
+from bench.kernel_table import fusion_summary, kernel_table, print_table, profile_loop  # noqa: F401 (re-exported)
 from lingjax import xla_env
 
 
@@ -45,59 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
     return ap
-
-
-_CALLS = re.compile(r"\bcalls=%?([^\s,{}()]+)")
-_OPNAME = re.compile(r'op_name="([^"]*)"')
-_OPCODE = re.compile(r"=\s*[^=]*?\s([a-z][a-z0-9\-]*)\(")
-
-
-def fusion_summary(hlo_text: str) -> dict[str, str]:
-    """{instruction: 'opcodes | source ops'} for the instructions of compiled HLO text: the opcodes
-    of the computation it calls (a fusion's body; counts) and the last two parts of the jax op names
-    in it (which lines of the model the kernel computes)."""
-    comps: dict[str, list[str]] = {}
-    instr_line: dict[str, str] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        if line and not line[0].isspace():
-            m = re.match(r"^(?:ENTRY\s+)?%?([^\s(]+)", line)
-            current = m.group(1) if m else None
-            comps.setdefault(current, [])
-            continue
-        m = re.match(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=", line)
-        if m and current is not None:
-            comps[current].append(line)
-            instr_line[m.group(1)] = line
-    out = {}
-    for name, line in instr_line.items():
-        body = comps.get(next(iter(_CALLS.findall(line)), None), [line])
-        ops = collections.Counter(o for b in body for o in _OPCODE.findall(b)[:1]
-                                  if o not in ("parameter", "constant", "bitcast"))
-        srcs = {"/".join(n.split("/")[-2:]) for b in body for n in _OPNAME.findall(b)}
-        out[name] = (" ".join(f"{o}x{c}" if c > 1 else o for o, c in ops.most_common(6))
-                     + " | " + ", ".join(sorted(srcs))[:160])
-    return out
-
-
-def kernel_table(trace_dir: str, hlo_text: str, calls: int) -> list[dict]:
-    """Kernels of the traced loop grouped by kernel name (the loop unrolls several layer calls, whose
-    copies of a fusion share its kernel name): [{kernel, hlo_ops, us_per_call, count_per_call,
-    what}] (most time first; `what` from the first HLO instruction); `calls` = layer calls traced."""
-    from bench.profile_breakdown import kernel_events, load_events
-    _, events = load_events(trace_dir)
-    kernels, _, _ = kernel_events(events)
-    summary = fusion_summary(hlo_text)
-    acc: dict[str, list] = collections.defaultdict(lambda: [0.0, 0, []])
-    for e in kernels:
-        op = str(e.args.get("hlo_op", "?"))
-        acc[e.name][0] += e.dur
-        acc[e.name][1] += 1
-        if op not in acc[e.name][2]:
-            acc[e.name][2].append(op)
-    rows = [{"kernel": k, "hlo_ops": ops, "us_per_call": t / calls, "count_per_call": n / calls,
-             "what": summary.get(ops[0], "")} for k, (t, n, ops) in acc.items()]
-    return sorted(rows, key=lambda r: -r["us_per_call"])
 
 
 def main(argv=None) -> dict:
@@ -158,35 +104,15 @@ def main(argv=None) -> dict:
                   f"(loop overhead {row['loop_overhead_us']:.1f} us subtracted)"
                   + ("" if on_gpu else "  [not a GPU: smoke run, not a timing]"), flush=True)
             if a.profile:
-                row["kernels"] = _profile(f, sets, a, Path(a.profile) / f"{kernel}-M{M}", ctx, kw)
-                tot = sum(r["us_per_call"] for r in row["kernels"])
-                n = sum(r["count_per_call"] for r in row["kernels"])
-                print(f"  {n:.0f} kernels, {tot:.1f} us of kernel time per call:")
-                for r in row["kernels"]:
-                    print(f"  {r['us_per_call']:7.2f} us x{r['count_per_call']:<5.2f} {r['kernel'][:34]:34s} "
-                          f"{r['what']}")
+                row["kernels"] = profile_loop(f, sets, a.iters, Path(a.profile) / f"{kernel}-M{M}", ctx,
+                                              kw.get("per_iter", 8))
+                print_table(row["kernels"])
             rows.append(row)
     rec = {"bench": "moe_layer_timing", "dtype": a.dtype, "layers": a.layers, "bias_std": a.bias_std,
            "dense_kernel": a.dense_kernel, "iters": a.iters, "preset": "ling3-tiny" if a.tiny else "ling3-flash",
            "smoke": not on_gpu, "rows": rows}
     rec["result_path"] = str(save_result("moe_layer_timing", rec, a.out))
     return rec
-
-
-def _profile(f, sets, a, d: Path, ctx, kw) -> list[dict]:
-    """Trace the `a.iters`-iteration loop of f once (after its compile) into d and tabulate its kernels."""
-    import jax
-
-    from bench.common import loop_program
-    run, n_calls = loop_program(f, len(sets), a.iters, kw.get("per_iter", 8))
-    with ctx():
-        # without command buffers: kernels inside a CUDA graph are mostly missing from device traces
-        opts = {"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu" else {}
-        compiled = run.lower(sets).compile(compiler_options=opts)
-        jax.block_until_ready(compiled(sets))
-        with jax.profiler.trace(str(d)):
-            jax.block_until_ready(compiled(sets))
-    return kernel_table(str(d), compiled.as_text(), a.iters * n_calls)
 
 
 if __name__ == "__main__":

@@ -109,3 +109,17 @@ def test_choice_list(capsys):
         with pytest.raises(SystemExit):
             choice_list(ap, bad, "--x", ("serial", "async"))
         assert "--x must be a comma list of distinct serial, async" in capsys.readouterr().err
+
+
+def test_carry_last_carries_each_calls_state():
+    """carry_last: f's last argument is carried from iteration to iteration, one copy per call
+    (3 iterations x 4 calls over 2 sets: each call's counter ends at 3, the sets' own stay 0)."""
+    sets = [(jnp.full((2,), j + 1.0), jnp.zeros((3,), jnp.int32)) for j in range(2)]
+    run, n_calls = loop_program(lambda x, s: (2 * x, s + 1), len(sets), iters=3, per_iter=4, carry_last=True)
+    out = run(sets)
+    assert n_calls == 4 and [o[1].tolist() for o in out] == [[3, 3, 3]] * 4
+    assert [float(o[0][0]) for o in out] == [2.0, 4.0, 2.0, 4.0] and sets[0][1].tolist() == [0, 0, 0]
+    assert loop_overhead(sets, 2, carry_last=True, **LOOP_SMOKE) > 0
+    import pytest
+    with pytest.raises(TypeError, match="new_state"):
+        time_in_loop(lambda x, s: x, sets, iters=1, carry_last=True, **LOOP_SMOKE)

@@ -1,0 +1,174 @@
+"""One whole Ling-3.0-flash gated-MLA layer (projections, cache write, absorbed attention over the
+latent cache, gate, output projection) per call at a given context, and where its time goes.
+
+    python -m bench.mla_layer_timing --M 1,9 --context 8192                     # on the H200
+    python -m bench.mla_layer_timing --M 1,9 --context 8192 --profile /tmp/mla  # + a kernel-by-kernel table
+    python -m bench.mla_layer_timing --tiny --M 1 --iters 1 --layers 1 --dense-kernel xla --context 64
+                                                                                 # any host (smoke run)
+
+Builds `lingjax.model.mla.GatedMLA` layers with random weights (fp8 128 x 128 blocks by default, as
+the full-depth benchmark runs them), sets --dense-kernel on their projections, gives each an
+`MLAState` cache of --cache-len positions (sized as bench.batch1's Decoder sizes it) whose first
+--context positions hold random latent / k_rope values, and times `layer(x, cache, pos)` for
+x [1, M, D] at pos = --context inside one jitted loop (bench.common.time_in_loop over --layers
+weight copies, the loop's own per-call cost subtracted). Each call's cache is carried through
+the loop (`carry_last`), so the block's cache write is in place as in the decode loop (a cache
+from the loop-invariant arguments would be copied whole before every write).
+
+Each row also records the bytes the layer must read -- every MLA weight (fp8 values and block
+scales, or bf16) plus the cache's latent and k_rope for the positions the block attends to
+(--context + M) -- and the fraction of --copy-bw that is per call. XLA's attention reads the whole
+--cache-len cache (masked), recorded as cache_alloc_bytes. With --profile DIR it traces that loop
+once more and prints, per XLA kernel of one layer call, the µs per call, the count per call, and
+what the kernel computes (bench.kernel_table).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+from pathlib import Path
+
+from bench.common import COPY_BW_H200, int_list
+from bench.kernel_table import print_table, profile_loop
+from lingjax import xla_env
+
+# bench.batch1's Decoder: cache of (prompt padded to whole prefill chunks) + max_new + drafts + 2 positions
+PREFILL_CHUNK = 2048      # lingjax.spec_decode.Decoder.prefill_chunk
+OUTPUT_LEN = 1024         # bench.batch1 --output-len
+DRAFTS = 8                # bench.batch1 --block-size (speculative rows)
+
+
+def decoder_cache_len(context: int, output_len: int = OUTPUT_LEN, drafts: int = DRAFTS,
+                      chunk: int = PREFILL_CHUNK) -> int:
+    """The MLA cache length `lingjax.spec_decode.Decoder` allocates for a prompt of `context`
+    tokens: chunks * chunk + max_new + drafts + 2 (9226 at context 8192 with batch1's defaults)."""
+    c = min(context, chunk)
+    return c * -(-context // c) + output_len + drafts + 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.mla_layer_timing", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--M", default="1,9",
+                    help="comma list of token counts (1..16; default 1,9: decode, a verify of 8 drafts)")
+    ap.add_argument("--context", type=int, default=8192,
+                    help="cached positions before the block; the block sits at positions context..context+M-1 "
+                         "(default 8192)")
+    ap.add_argument("--cache-len", type=int, default=None,
+                    help="positions of the allocated cache (default: as the Decoder sizes it for bench.batch1, "
+                         f"context rounded up to {PREFILL_CHUNK}-token prefill chunks + {OUTPUT_LEN} output + "
+                         f"{DRAFTS} drafts + 2: 9226 at context 8192)")
+    ap.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8", help="MLA weights (default fp8)")
+    ap.add_argument("--dense-kernel", choices=["pallas", "xla"], default="pallas",
+                    help="the q / kv_a / output projections' kernel (default pallas)")
+    ap.add_argument("--layers", type=int, default=4,
+                    help="weight copies (each with its own cache) cycled through, as a model's layers are "
+                         "(default 4: a fp8 copy is 32 MB, so 4 keep each weight's reuse distance past the 60 MB L2)")
+    ap.add_argument("--copy-bw", type=float, default=COPY_BW_H200,
+                    help=f"bytes/s the bytes-per-call fraction is taken of (default {COPY_BW_H200:.3g}: "
+                         "the H200's copy bandwidth, bench.common.COPY_BW_H200)")
+    ap.add_argument("--iters", type=int, default=50, help="loop iterations per timing (default 50)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="the ling3-tiny preset (smoke runs on a CPU)")
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="trace one more loop per row into DIR/M<M> and print its kernels")
+    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
+    return ap
+
+
+def main(argv=None) -> dict:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    ms = int_list(ap, a.M, "--M")
+    if not ms or min(ms) < 1 or max(ms) > 16 or a.iters < 1 or a.layers < 1:
+        ap.error("--M needs token counts in 1..16, --iters and --layers >= 1")
+    if a.context < 1:
+        ap.error(f"--context must be >= 1, got {a.context}")
+    cache_len = decoder_cache_len(a.context) if a.cache_len is None else a.cache_len
+    if a.context + max(ms) > cache_len:
+        ap.error(f"--context {a.context} + M {max(ms)} does not fit --cache-len {cache_len} (the block is written "
+                 f"at positions context..context+M-1)")
+    if a.copy_bw <= 0:
+        ap.error(f"--copy-bw must be > 0, got {a.copy_bw}")
+    if not a.no_xla_defaults:
+        xla_env.configure()
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from bench.common import loop_overhead, save_result, time_in_loop
+    from lingjax.cache import MLAState
+    from lingjax.config import preset
+    from lingjax.model import dense, kernels as kernel_ctx
+    from lingjax.model.mla import GatedMLA
+    from lingjax.quant import quantize_model
+
+    on_gpu = jax.default_backend() == "gpu"
+    cfg = preset("ling3-tiny" if a.tiny else "ling3-flash")
+    lat, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    act = jnp.bfloat16
+
+    @nnx.jit                                          # one compile for every copy, not one per eager op
+    def make(key):
+        m = GatedMLA(cfg, dtype=act, rngs=nnx.Rngs(key))
+        return quantize_model(m) if a.dtype == "fp8" else m
+
+    def build(i):
+        return dense.set_dense_kernel(make(jax.random.key(a.seed + i)), a.dense_kernel)
+
+    @jax.jit
+    def fill_cache(key):
+        k1, k2 = jax.random.split(key)
+        filled = (jnp.arange(cache_len) < a.context)[None, :, None]          # zeros past the context, as decoded
+        return MLAState(jnp.where(filled, jax.random.normal(k1, (1, cache_len, lat), jnp.float32), 0).astype(act),
+                        jnp.where(filled, jax.random.normal(k2, (1, cache_len, rope), jnp.float32), 0).astype(act))
+
+    graphdef, states = None, []
+    for i in range(a.layers):
+        graphdef, st = nnx.split(build(i))
+        states.append(st)
+    caches = [fill_cache(jax.random.PRNGKey(2000 + a.seed + i)) for i in range(a.layers)]
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(states[0]))
+    cache_alloc_bytes = sum(x.nbytes for x in jax.tree.leaves(caches[0]))
+    pos = jnp.int32(a.context)                          # traced, as the decode loop's position
+
+    def f(x, pos, st, cache):
+        return nnx.merge(graphdef, st)(x, cache, pos)   # (y, cache with the block written)
+
+    ctx = kernel_ctx.pallas_interpret if not on_gpu and a.dense_kernel == "pallas" else contextlib.nullcontext
+    kw = {} if on_gpu else {"per_iter": 1, "repeats": 1}
+    rows = []
+    for M in ms:
+        xs = [jax.random.normal(jax.random.PRNGKey(a.seed + 7 * M + i), (1, M, cfg.hidden_size),
+                                jnp.float32).astype(act) for i in range(a.layers)]
+        sets = [(x, pos, st, c) for x, st, c in zip(xs, states, caches)]
+        with ctx():
+            overhead = loop_overhead(sets, a.iters, carry_last=True, **kw)
+            t = time_in_loop(f, sets, a.iters, carry_last=True, **kw)
+        net = t - overhead
+        cache_bytes = (a.context + M) * (lat + rope) * jnp.dtype(act).itemsize
+        nbytes = weight_bytes + cache_bytes
+        row = {"M": M, "layer_us": net * 1e6, "raw_us": t * 1e6, "loop_overhead_us": overhead * 1e6,
+               "bytes": nbytes, "cache_bytes": cache_bytes}
+        if net > 0:
+            row.update({"GBps": nbytes / net / 1e9, "pct_copy_bw": 100 * nbytes / net / a.copy_bw})
+        print(f"M={M:2d}: {row['layer_us']:7.1f} us per MLA layer call at context {a.context} "
+              f"({nbytes / 1e6:.1f} MB: {row.get('pct_copy_bw', float('nan')):.0f}% of {a.copy_bw / 1e12:.2f} TB/s; "
+              f"loop overhead {row['loop_overhead_us']:.1f} us subtracted)"
+              + ("" if on_gpu else "  [not a GPU: smoke run, not a timing]"), flush=True)
+        if a.profile:
+            row["kernels"] = profile_loop(f, sets, a.iters, Path(a.profile) / f"M{M}", ctx, kw.get("per_iter", 8),
+                                          carry_last=True)
+            print_table(row["kernels"])
+        rows.append(row)
+    rec = {"bench": "mla_layer_timing", "dtype": a.dtype, "dense_kernel": a.dense_kernel, "layers": a.layers,
+           "iters": a.iters, "context": a.context, "cache_len": cache_len,
+           "preset": "ling3-tiny" if a.tiny else "ling3-flash", "weight_bytes": weight_bytes,
+           "cache_alloc_bytes": cache_alloc_bytes, "copy_bw": a.copy_bw, "smoke": not on_gpu, "rows": rows}
+    rec["result_path"] = str(save_result("mla_layer_timing", rec, a.out))
+    return rec
+
+
+if __name__ == "__main__":
+    main()

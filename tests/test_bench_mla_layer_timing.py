@@ -1,0 +1,55 @@
+"""bench/mla_layer_timing.py: a CPU smoke run (record fields), the kernel table of a carried-state loop, the
+Decoder's cache size, bad flags."""
+import pytest
+
+from bench import mla_layer_timing
+
+
+def test_smoke_record(tmp_path):
+    rec = mla_layer_timing.main(["--tiny", "--M", "1,3", "--iters", "1", "--layers", "1", "--dense-kernel", "xla",
+                                 "--context", "64", "--out", str(tmp_path)])
+    assert rec["bench"] == "mla_layer_timing" and rec["smoke"] and rec["preset"] == "ling3-tiny"
+    assert rec["dtype"] == "fp8" and rec["context"] == 64 and rec["cache_len"] == mla_layer_timing.decoder_cache_len(64)
+    assert rec["weight_bytes"] > 0 and rec["cache_alloc_bytes"] > 0
+    assert [r["M"] for r in rec["rows"]] == [1, 3]
+    for row in rec["rows"]:
+        assert row["layer_us"] > 0 and row["raw_us"] > row["loop_overhead_us"] > 0
+        assert row["cache_bytes"] == (64 + row["M"]) * (512 + 64) * 2
+        assert row["bytes"] == rec["weight_bytes"] + row["cache_bytes"]
+        assert row["GBps"] > 0 and row["pct_copy_bw"] > 0
+        assert "kernels" not in row
+
+
+def test_profile_loop_with_a_carried_state(tmp_path):
+    """bench.kernel_table.profile_loop on a toy layer with a cache (what --profile runs, without
+    compiling an MLA layer once more): a table with the layer's dot."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from bench.kernel_table import profile_loop
+
+    def f(x, w, cache):
+        return x @ w, lax.dynamic_update_slice_in_dim(cache, x, 3, axis=0)
+    sets = [(jnp.ones((2, 64), jnp.float32), jnp.ones((64, 64), jnp.float32), jnp.zeros((16, 64), jnp.float32))]
+    rows = profile_loop(f, sets, 2, tmp_path / "prof", per_iter=1, carry_last=True)
+    assert rows and any("dot" in r["what"] for r in rows) and all(r["us_per_call"] >= 0 for r in rows)
+
+
+def test_decoder_cache_len():
+    """The Decoder's cache for bench.batch1 (8192-token prompt in 2048-token chunks, 1024 output, 8 drafts)."""
+    assert mla_layer_timing.decoder_cache_len(8192) == 8192 + 1024 + 8 + 2
+    assert mla_layer_timing.decoder_cache_len(3000) == 4096 + 1034      # prompt padded to whole chunks
+    assert mla_layer_timing.decoder_cache_len(64) == 64 + 1034
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--M", "0"], "--M needs"), (["--M", "17"], "--M needs"), (["--M", "1,x"], "--M must be"),
+    (["--iters", "0"], "--M needs"), (["--layers", "0"], "--M needs"), (["--context", "0"], "--context must"),
+    (["--context", "2000", "--cache-len", "1000"], "does not fit"),
+    (["--context", "1000", "--cache-len", "1008", "--M", "9"], "does not fit"),
+    (["--copy-bw", "0"], "--copy-bw"),
+])
+def test_bad_flags(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        mla_layer_timing.main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
