@@ -95,8 +95,11 @@ class GatedMLA(nnx.Module):
     def _kernel(self, name, tokens):
         return dense_proj.uses_kernel(self, name, tokens)
 
-    def _softmax(self, scores, mask):
-        scores = jnp.where(mask[None, None], scores * self.cfg.attention_scale, -jnp.inf)
+    def _softmax(self, scores, mask, t_axis: int = 2):
+        """Softmax over the last axis (S) of scores [B, H, T, S] (t_axis 2) or [B, T, H, S] (t_axis
+        1); mask [T, S]."""
+        m = mask[None, None] if t_axis == 2 else mask[None, :, None]
+        scores = jnp.where(m, scores * self.cfg.attention_scale, -jnp.inf)
         return jax.nn.softmax(scores, axis=-1)
 
     def _attend_expanded(self, q_nope, q_rope, cache: MLAState, mask):
@@ -114,7 +117,9 @@ class GatedMLA(nnx.Module):
         return jnp.einsum("bhts,bshv->bthv", p.astype(v.dtype), v, preferred_element_type=acc)
 
     def _attend_absorbed(self, q_nope, q_rope, cache: MLAState, mask):
-        """Absorbed MLA: q_lat = q_nope . W_uk, attend over latents, o = o_lat . W_uv. [B, T, H, V]."""
+        """Absorbed MLA: q_lat = q_nope . W_uk, attend over latents, o = o_lat . W_uv. [B, T, H, V].
+        Scores and probabilities stay [B, T, H, S], the order the query rows have: no transposes
+        of the [T H, S] score matrices between the dots and the softmax."""
         nope = self.cfg.qk_nope_head_dim
         acc = acc_dtype(q_nope.dtype)
         kv_b = self.kv_b[...]
@@ -123,15 +128,15 @@ class GatedMLA(nnx.Module):
         if cache.latent_scale is not None:   # fp8 cache: per-token scale folded into scores / probabilities
             scale = cache.latent_scale[:, None, None, :].astype(acc)            # [B, 1, 1, S]
             lat = lat.astype(q_nope.dtype)
-            scores = (jnp.einsum("bthl,bsl->bhts", q_lat.astype(lat.dtype), lat, preferred_element_type=acc) * scale
-                      + jnp.einsum("bthr,bsr->bhts", q_rope, cache.k_rope, preferred_element_type=acc))
-            p = self._softmax(scores, mask)
-            o_lat = jnp.einsum("bhts,bsl->bthl", (p * scale).astype(lat.dtype), lat, preferred_element_type=acc)
+            scores = (jnp.einsum("bthl,bsl->bths", q_lat.astype(lat.dtype), lat, preferred_element_type=acc) * scale
+                      + jnp.einsum("bthr,bsr->bths", q_rope, cache.k_rope, preferred_element_type=acc))
+            p = self._softmax(scores, mask, t_axis=1)
+            o_lat = jnp.einsum("bths,bsl->bthl", (p * scale).astype(lat.dtype), lat, preferred_element_type=acc)
             return jnp.einsum("bthl,lhv->bthv", o_lat, kv_b[..., nope:].astype(acc))
-        scores = (jnp.einsum("bthl,bsl->bhts", q_lat.astype(lat.dtype), lat, preferred_element_type=acc)
-                  + jnp.einsum("bthr,bsr->bhts", q_rope, cache.k_rope, preferred_element_type=acc))
-        p = self._softmax(scores, mask)
-        o_lat = jnp.einsum("bhts,bsl->bthl", p.astype(lat.dtype), lat, preferred_element_type=acc)
+        scores = (jnp.einsum("bthl,bsl->bths", q_lat.astype(lat.dtype), lat, preferred_element_type=acc)
+                  + jnp.einsum("bthr,bsr->bths", q_rope, cache.k_rope, preferred_element_type=acc))
+        p = self._softmax(scores, mask, t_axis=1)
+        o_lat = jnp.einsum("bths,bsl->bthl", p.astype(lat.dtype), lat, preferred_element_type=acc)
         return jnp.einsum("bthl,lhv->bthv", o_lat, kv_b[..., nope:].astype(acc))
 
 
