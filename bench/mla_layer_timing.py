@@ -12,8 +12,10 @@ the full-depth benchmark runs them), sets --dense-kernel on their projections, g
 --context positions hold random latent / k_rope values, and times `layer(x, cache, pos)` for
 x [1, M, D] at pos = --context inside one jitted loop (bench.common.time_in_loop over --layers
 weight copies, the loop's own per-call cost subtracted). Each call's cache is carried through
-the loop (`carry_last`), so the block's cache write is in place as in the decode loop (a cache
-from the loop-invariant arguments would be copied whole before every write).
+the loop (`carry_last`; a cache from the loop-invariant arguments would be copied whole before
+every write). Even so, on the H200 (session 17, run 67) XLA wrote the block into the cache through
+a whole-cache pad fusion here, ~7 us per call, where the decode loop's profile shows ~1.5 us: a
+layer's time in this benchmark is ~6 us above its time in the model.
 
 Each row also records the bytes the layer must read -- every MLA weight (fp8 values and block
 scales, or bf16) plus the cache's latent and k_rope for the positions the block attends to
