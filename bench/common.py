@@ -73,6 +73,17 @@ def choice_list(ap, text: str, flag: str, choices) -> list[str]:
     return vals
 
 
+def add_layer_loop_args(ap, profile_help: str) -> None:
+    """The options the one-layer in-loop benchmarks share (bench.moe_layer_timing,
+    bench.mla_layer_timing): --iters, --seed, --tiny, --profile, --out, --no-xla-defaults."""
+    ap.add_argument("--iters", type=int, default=50, help="loop iterations per timing (default 50)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="the ling3-tiny preset (smoke runs on a CPU)")
+    ap.add_argument("--profile", metavar="DIR", default=None, help=profile_help)
+    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
+
+
 def time_fn(f, args, iters, warmup):
     """(median seconds of one blocked call, seconds per call when issued back to back)."""
     import jax

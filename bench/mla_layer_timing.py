@@ -30,7 +30,7 @@ import argparse
 import contextlib
 from pathlib import Path
 
-from bench.common import COPY_BW_H200, int_list
+from bench.common import COPY_BW_H200, add_layer_loop_args, int_list
 from bench.kernel_table import print_table, profile_loop
 from lingjax import xla_env
 
@@ -69,13 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--copy-bw", type=float, default=COPY_BW_H200,
                     help=f"bytes/s the bytes-per-call fraction is taken of (default {COPY_BW_H200:.3g}: "
                          "the H200's copy bandwidth, bench.common.COPY_BW_H200)")
-    ap.add_argument("--iters", type=int, default=50, help="loop iterations per timing (default 50)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tiny", action="store_true", help="the ling3-tiny preset (smoke runs on a CPU)")
-    ap.add_argument("--profile", metavar="DIR", default=None,
-                    help="trace one more loop per row into DIR/M<M> and print its kernels")
-    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
-    ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
+    add_layer_loop_args(ap, "trace one more loop per row into DIR/M<M> and print its kernels")
     return ap
 
 

@@ -20,7 +20,7 @@ import argparse
 import contextlib
 from pathlib import Path
 
-from bench.common import choice_list, int_list
+from bench.common import add_layer_loop_args, choice_list, int_list
 from bench.kernel_table import fusion_summary, kernel_table, print_table, profile_loop  # noqa: F401 (re-exported)
 from lingjax import xla_env
 
@@ -36,13 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=2,
                     help="weight copies cycled through, as a model's layers are (default 2: 2.8 GB fp8, > L2)")
     ap.add_argument("--bias-std", type=float, default=1.0, help="expert_bias spread (default 1.0)")
-    ap.add_argument("--iters", type=int, default=50, help="loop iterations per timing (default 50)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tiny", action="store_true", help="the ling3-tiny preset (smoke runs on a CPU)")
-    ap.add_argument("--profile", metavar="DIR", default=None,
-                    help="trace one more loop per row into DIR and print its kernels")
-    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
-    ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
+    add_layer_loop_args(ap, "trace one more loop per row into DIR and print its kernels")
     return ap
 
 
