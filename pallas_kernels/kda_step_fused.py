@@ -105,9 +105,14 @@ def _sigmoid(x):
 
 def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=None, *,
                           safe_gate=True, lower_bound=-5.0, scale=None, write_o=True, write_state=True,
-                          block_v=None, interpret=False):
+                          block_v=None, state_in_place=False, interpret=False):
     """Conv + gate + norms + KDA recurrence over T = 1..16 tokens; see the module docstring.
 
+    ``state_in_place`` (with write_state; opt-in, session 17, not yet measured on a GPU): the
+    float32 start state goes in as a ``jax.new_ref`` that each program overwrites with its final
+    tile (it has read that tile first), so the kernel's state output aliases its state operand
+    (the mosaic_gpu call's output_operand_aliases) instead of being a fresh buffer that a decode
+    loop must copy into its carried state. The same values.
     ``interpret``: False (compile for the GPU), or a ``plgpu.InterpretGPUParams`` (CPU simulation).
     Returns (o [B,T,H,V] float32 or None, state [B,H,K,V] float32 or None).
     """
@@ -133,6 +138,12 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
                          f"{(H,)}, {(H, K)}, {(B, T, H)}")
     if not (write_o or write_state):
         raise ValueError("nothing to write: set write_o and/or write_state")
+    if state_in_place and not write_state:
+        raise ValueError("state_in_place=True updates the state operand: it needs write_state=True")
+    if state_in_place and not hasattr(jax, "new_ref"):
+        raise NotImplementedError(f"state_in_place=True needs jax.new_ref (not in jax {jax.__version__}); "
+                                  "use state_in_place=False")
+    state_out = write_state and not state_in_place        # the state as a separate output
     bv = pick_block_v(V, block_v)
     scale = float(K ** -0.5 if scale is None else scale)
     dt = jnp.dtype(proj.dtype)
@@ -155,9 +166,9 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
 
     def body(*refs):
         proj_g, projv_g, win_g, winv_g, cw_g, cwv_g, alog_g, dtb_g, beta_g, n_g, s_g = refs[:11]
-        outs = refs[11:11 + write_o + write_state]
+        outs = refs[11:11 + write_o + state_out]
         (qk_s, f_s, v_s, cw_s, cwv_s, dtb_s, beta_s, st_s,
-         q_s, k_s, kb_s, g_s, vb_s, o_s, bars) = refs[11 + write_o + write_state:]
+         q_s, k_s, kb_s, g_s, vb_s, o_s, bars) = refs[11 + write_o + state_out:]
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         j = lax.axis_index("v")
@@ -230,12 +241,12 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         plgpu.commit_smem()
         if write_o:
             plgpu.copy_smem_to_gmem(o_s, outs[0].at[b, :, h, cols])
-        if write_state:
-            plgpu.copy_smem_to_gmem(st_s, outs[-1].at[b, h, :, cols])
+        if write_state:      # in place: over the tile this program read at its start (s_g)
+            plgpu.copy_smem_to_gmem(st_s, (s_g if state_in_place else outs[-1]).at[b, h, :, cols])
         plgpu.wait_smem_to_gmem(0)
 
     out_type = ((jax.ShapeDtypeStruct((B, T, H, V), f32),) * write_o
-                + (jax.ShapeDtypeStruct((B, H, K, V), f32),) * write_state)
+                + (jax.ShapeDtypeStruct((B, H, K, V), f32),) * state_out)
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
@@ -262,8 +273,9 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True) if OWN_BARRIERS else None,
         interpret=interpret if interpret else None,
     )
-    outs = kernel(proj, proj_v, window, window_v, conv_w, conv_v, A_log, dt_bias, beta_p, n_tok, state)
+    state_arg = jax.new_ref(state) if state_in_place else state
+    outs = kernel(proj, proj_v, window, window_v, conv_w, conv_v, A_log, dt_bias, beta_p, n_tok, state_arg)
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     o = outs.pop(0) if write_o else None
-    s = outs.pop(0) if write_state else None
+    s = outs.pop(0) if state_out else (state_arg[...] if state_in_place else None)
     return o, s

@@ -52,9 +52,14 @@ def _fwd(model, pending=False):
 def runs():
     """Per model: logits of prefill + 3 decode steps; of a 4-token pending verify after the
     prefill; of a decode after committing 2 of those 4; and the committed KDA states."""
+    return [_run_model(m) for m in models()]
+
+
+def _run_model(model) -> dict:
+    """`runs` of one model."""
     ids = jnp.asarray(golden()["long_ids"][:, :PROMPT + 4], jnp.int32)
     out = []
-    for model in models():
+    for model in (model,):
         with kernel_mode():
             fwd, fwd_pending = _fwd(model), _fwd(model, pending=True)
             pre = fwd(ids[:, :PROMPT], init_cache(model.cfg, 1, MAX_LEN, F32))
@@ -70,7 +75,7 @@ def runs():
         out.append(dict(prefill=np.asarray(pre.logits[0]), decode=np.stack(decode),
                         verify=np.asarray(ver.logits[0]), after=np.asarray(after.logits[0, 0]),
                         pending=ver.pending, states=states, pos=int(committed.pos)))
-    return out
+    return out[0]
 
 
 BF16 = jnp.bfloat16
@@ -190,6 +195,19 @@ def test_verify_and_commit_match():
         assert sp.dtype == sx.dtype == F32
         assert rel(sp, sx) <= TOL
     assert rel(p["after"], x["after"]) <= TOL
+
+
+def test_state_in_place_gives_the_same_run(monkeypatch):
+    """kda.STATE_IN_PLACE (the decode step and the commit update the state through a jax.new_ref):
+    the Pallas run's decode, verify and post-commit logits and committed states, bit for bit."""
+    from lingjax.model import kda
+    _, p = runs()
+    monkeypatch.setattr(kda, "STATE_IN_PLACE", True)
+    q = _run_model(models()[1])
+    for key in ("decode", "verify", "after"):
+        np.testing.assert_array_equal(q[key], p[key])
+    for sq, sp in zip(q["states"], p["states"], strict=True):
+        np.testing.assert_array_equal(np.asarray(sq), np.asarray(sp))
 
 
 def test_verify_then_commit_equals_plain_decode():

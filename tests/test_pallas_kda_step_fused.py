@@ -127,6 +127,32 @@ def test_interpret_write_flags():
     np.testing.assert_array_equal(np.asarray(s), np.asarray(s_full))
 
 
+@interpret_only
+def test_interpret_state_in_place_equals_a_state_output():
+    """state_in_place: the start state updated through a jax.new_ref gives the separate state
+    output bit for bit, for a decode step (o and state) and a commit (state only, n < T), also
+    inside a jitted loop that carries the state (the decode loop's use)."""
+    args = _inputs(1, 5, 2, 64, dtype=BF16, seed=4)
+    for n, write_o in ((None, True), (3, False)):
+        o_ref, s_ref = _run(args, n, write_o=write_o)
+        o, s = _run(args, n, write_o=write_o, state_in_place=True)
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+        if write_o:
+            np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+    *rest, state = args
+
+    def loop(in_place):
+        def body(_, st):
+            return kda_fused_step_pallas(*rest, st, jnp.int32(3), write_o=False, state_in_place=in_place,
+                                         interpret=INTERPRET)[1]
+        return jax.jit(lambda st: jax.lax.fori_loop(0, 2, body, st))(state)
+
+    np.testing.assert_array_equal(np.asarray(loop(True)), np.asarray(loop(False)))
+    _assert_no_race_flagged()
+    with pytest.raises(ValueError, match="state_in_place=True updates the state operand"):
+        kda_fused_step_pallas(*args, write_state=False, state_in_place=True, interpret=INTERPRET)
+
+
 def test_rejects_bad_inputs():
     args = _inputs(1, 2, 1, 64)
     proj, window, conv_w, A_log, dt_bias, beta, state = args
@@ -153,6 +179,16 @@ def test_cross_lowers_for_cuda_real_shape(T, write_o, write_state):
     args = _inputs(1, T, 32, 128, dtype=BF16)
     fn = jax.jit(lambda *a: kda_fused_step_pallas(*a, jnp.int32(T), write_o=write_o, write_state=write_state))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("T,write_o", [(1, True), (9, False)])
+def test_state_in_place_cross_lowers_with_an_alias(T, write_o):
+    """state_in_place at the Ling shape (a decode step, a commit): the mosaic_gpu call aliases its
+    state operand to an output, so a loop's carried state can be updated without a copy."""
+    args = _inputs(1, T, 32, 128, dtype=BF16)
+    fn = jax.jit(lambda *a: kda_fused_step_pallas(*a, jnp.int32(T), write_o=write_o, state_in_place=True))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "output_operand_aliases" in text
 
 
 def test_own_barriers_build_cross_lowers(monkeypatch):

@@ -76,6 +76,12 @@ class KDAPendingFused:
 
 # heads dim of the fused step's array arguments: proj, window, conv_w, A_log, dt_bias, beta, state
 _STEP_HEAD_AXES = (3, 3, 2, 0, 0, 2, 1)
+# The fused decode step and the commit update the float32 state in place (a jax.new_ref operand the
+# kernel overwrites: `kda_fused_step_pallas(state_in_place=True)`) instead of writing a new array.
+# Opt-in and not yet measured on a GPU (session 17): the aim is the full-depth DSpark profile's 71
+# device-to-device copies per step (116 us) that follow the commits. The same values either way. A
+# trace-time setting for A/B runs; off by default.
+STATE_IN_PLACE = False
 
 
 def _fused_decode(*args, **settings):
@@ -223,7 +229,8 @@ class KDA(nnx.Module):
             return _pallas(_fused_verify, *args, head_axes=head_axes, out_head_axes=(4, 2), **settings), None
         if valid_len is not None:          # padded tokens become identity updates
             args, head_axes = args + (jnp.asarray(valid_len, jnp.int32),), head_axes + (None,)
-        return _pallas(_fused_decode, *args, head_axes=head_axes, out_head_axes=((4, 2), (4, 1)), **settings)
+        return _pallas(_fused_decode, *args, head_axes=head_axes, out_head_axes=((4, 2), (4, 1)),
+                       state_in_place=bool(STATE_IN_PLACE), **settings)
 
     def _prefill_kernel(self, t: int, pending: bool, dtype) -> bool:
         """Whether a forward of t tokens runs the chunked prefill kernel (module docstring)."""
@@ -258,7 +265,7 @@ def commit_prefix(p: KDAPending | KDAPendingFused, n) -> KDAState:
         s0 = widen_state(p.start.state, p.A_log.dtype)     # A_log is in the accumulation dtype
         s = _pallas(_fused_commit, p.proj, p.start.conv, p.conv_w, p.A_log, p.dt_bias, p.beta, s0,
                     jnp.asarray(n, jnp.int32), head_axes=_STEP_HEAD_AXES + (None,), out_head_axes=(4, 1),
-                    safe_gate=p.safe_gate, lower_bound=p.lower_bound)
+                    safe_gate=p.safe_gate, lower_bound=p.lower_bound, state_in_place=bool(STATE_IN_PLACE))
         conv_in = jnp.concatenate([p.start.conv, p.proj[:, :, :3]], axis=1)     # as in KDA.__call__
     else:
         s0 = widen_state(p.start.state, p.k.dtype)     # k is in the accumulation dtype
