@@ -220,3 +220,16 @@ def test_gpu_matches_reference(T, dtype, safe_gate):
     n = max(T // 2, 1)
     _, sp = _run(args, n, interpret=False, write_o=False, safe_gate=safe_gate)
     assert _rel(sp, _reference(args, n, dtype=jnp.float64, safe_gate=safe_gate)[1]) <= 1e-5
+
+
+@gpu_only
+@pytest.mark.parametrize("T,n,write_o", [(1, None, True), (9, 5, False)])
+def test_gpu_state_in_place_equals_a_state_output(T, n, write_o):
+    """state_in_place on the H200 at the Ling shape (a decode step; a commit of 5 of 9 tokens):
+    the same state (and o) bit for bit as the separate state output."""
+    args = _inputs(1, T, 32, 128, dtype=BF16, seed=200 + T)
+    o_ref, s_ref = _run(args, n, interpret=False, write_o=write_o)
+    o, s = _run(args, n, interpret=False, write_o=write_o, state_in_place=True)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+    if write_o:
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
