@@ -58,24 +58,21 @@ def runs():
 def _run_model(model) -> dict:
     """`runs` of one model."""
     ids = jnp.asarray(golden()["long_ids"][:, :PROMPT + 4], jnp.int32)
-    out = []
-    for model in (model,):
-        with kernel_mode():
-            fwd, fwd_pending = _fwd(model), _fwd(model, pending=True)
-            pre = fwd(ids[:, :PROMPT], init_cache(model.cfg, 1, MAX_LEN, F32))
-            cache, decode = pre.cache, []
-            for i in range(3):
-                o = fwd(ids[:, PROMPT + i:PROMPT + i + 1], cache)
-                cache = o.cache
-                decode.append(np.asarray(o.logits[0, 0]))
-            ver = fwd_pending(ids[:, PROMPT:PROMPT + 4], pre.cache)
-            committed = jax.jit(commit)(ver.cache, ver.pending, jnp.int32(2), pre.cache.pos)
-            after = fwd(ids[:, PROMPT + 2:PROMPT + 3], committed)
-        states = [c.state for c in committed.layers if isinstance(c, KDAState)]
-        out.append(dict(prefill=np.asarray(pre.logits[0]), decode=np.stack(decode),
-                        verify=np.asarray(ver.logits[0]), after=np.asarray(after.logits[0, 0]),
-                        pending=ver.pending, states=states, pos=int(committed.pos)))
-    return out[0]
+    with kernel_mode():
+        fwd, fwd_pending = _fwd(model), _fwd(model, pending=True)
+        pre = fwd(ids[:, :PROMPT], init_cache(model.cfg, 1, MAX_LEN, F32))
+        cache, decode = pre.cache, []
+        for i in range(3):
+            o = fwd(ids[:, PROMPT + i:PROMPT + i + 1], cache)
+            cache = o.cache
+            decode.append(np.asarray(o.logits[0, 0]))
+        ver = fwd_pending(ids[:, PROMPT:PROMPT + 4], pre.cache)
+        committed = jax.jit(commit)(ver.cache, ver.pending, jnp.int32(2), pre.cache.pos)
+        after = fwd(ids[:, PROMPT + 2:PROMPT + 3], committed)
+    states = [c.state for c in committed.layers if isinstance(c, KDAState)]
+    return dict(prefill=np.asarray(pre.logits[0]), decode=np.stack(decode),
+                verify=np.asarray(ver.logits[0]), after=np.asarray(after.logits[0, 0]),
+                pending=ver.pending, states=states, pos=int(committed.pos))
 
 
 BF16 = jnp.bfloat16
