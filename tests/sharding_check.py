@@ -409,7 +409,8 @@ def _kda_reference_kernels():
     from lingjax.ops import kda as kda_ops
     shapes = []
 
-    def step(*args, interpret=False, **settings):
+    def step(*args, interpret=False, state_in_place=False, **settings):
+        # state_in_place only says where the kernel writes the new state; the values are the same
         shapes.append(list(args[0].shape))          # proj [B, T, 5, H, K]
         return kda_ops.kda_fused_step(*args, **settings)
 
