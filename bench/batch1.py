@@ -160,6 +160,12 @@ def _check_args(ap, a) -> None:
         ap.error("--dense-kernel pallas with --mesh is not supported yet (the kernel is not split over devices)")
     if a.dense_kernel == "pallas" and a.dtype == "f32":
         ap.error("--dense-kernel pallas streams bf16 or fp8 weights: use --dtype bf16 or fp8")
+    if a.mla_kernel == "pallas" and a.mesh:
+        ap.error("--mla-kernel pallas with --mesh is not supported yet (the kernel is not split over devices)")
+    if a.mla_kernel == "pallas" and a.dtype == "f32":
+        ap.error("--mla-kernel pallas reads a bf16 latent cache: use --dtype bf16 or fp8")
+    if a.mla_kernel == "pallas" and any(m.fp8_mla_cache for m in a.approx):
+        ap.error("--mla-kernel pallas reads a bf16 latent cache, not --approx fp8_mla_cache's fp8 one")
     if a.profile_tokens < 2:
         ap.error("--profile-tokens must be >= 2")
     if a.profile_spec is not None and not a.profile:
@@ -267,7 +273,8 @@ def main(argv=None) -> dict:
     from lingjax.quant import quantize_model
     from lingjax.model.kernels import check_runnable
     try:
-        check_runnable(dict(kda_kernel=a.kda_kernel, moe_kernel=a.moe_kernel, dense_kernel=a.dense_kernel), a.mesh)
+        check_runnable(dict(kda_kernel=a.kda_kernel, moe_kernel=a.moe_kernel, dense_kernel=a.dense_kernel,
+                            mla_kernel=a.mla_kernel), a.mesh)
     except ValueError as e:
         ap.error(str(e))
     dt = {"bf16": jnp.bfloat16, "f32": jnp.float32, "fp8": jnp.bfloat16}[a.dtype]   # compute dtype
@@ -345,6 +352,9 @@ def main(argv=None) -> dict:
         if a.dense_kernel != "xla":     # after any fp8 quantisation: it records which weights it streams
             from lingjax.model.dense import set_dense_kernel
             set_dense_kernel(target, a.dense_kernel)
+        if a.mla_kernel != "xla":
+            from lingjax.model.mla import set_mla_kernel
+            set_mla_kernel(target, a.mla_kernel)
         if mesh is not None and a.checkpoint:
             sharding.shard_model(target, mesh)
             if draft is not None:
@@ -513,7 +523,7 @@ def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, de
         "bench": "batch1", "model": "embedded" if a.embedded else a.checkpoint or (
             "random:" + (a.config_json or ("tiny" if a.tiny else "ling3-flash"))),
         "layers": cfg.num_hidden_layers, "dtype": a.dtype, "spec": method, "kda_kernel": a.kda_kernel,
-        "moe_kernel": a.moe_kernel, "dense_kernel": a.dense_kernel,
+        "moe_kernel": a.moe_kernel, "dense_kernel": a.dense_kernel, "mla_kernel": a.mla_kernel,
         "approx": approx.describe() if approx is not None else "none",
         "block_size": a.block_size if B else 0, "forced_accept": tau,
         "input_len": a.input_len, "output_len": a.output_len, "num_prompts": a.num_prompts,

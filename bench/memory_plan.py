@@ -72,6 +72,7 @@ def plan(a) -> dict:
     from lingjax.model.dspark import DSparkDraft
     from lingjax.model.ling import LingModel
     from lingjax.quant import quantize_model
+    from lingjax.spec_decode import CACHE_ALIGN
 
     tp, ep = sharding.parse_mesh(a.mesh)
     mesh = sharding.make_mesh(tp, ep, jax.devices()[: tp * ep])
@@ -87,6 +88,7 @@ def plan(a) -> dict:
     rows["target params"] = _param_bytes(target, mesh)
     b = a.block_size if any(m != "none" for m in methods) else 0
     max_len = a.input_len + a.output_len + b + 2          # as Decoder._prefill sizes it (one chunk multiple)
+    max_len = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN    # ... in whole multiples of lingjax.spec_decode.CACHE_ALIGN
     cache = jax.eval_shape(lambda: init_cache(cfg, 1, max_len, dt, with_mtp="mtp" in methods))
     rows["target caches"] = (_tree_bytes(cache, sharding.cache_shardings(cache, cfg, mesh)),
                              sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)))

@@ -3,11 +3,13 @@ latent cache, gate, output projection) per call at a given context, and where it
 
     python -m bench.mla_layer_timing --M 1,9 --context 8192                     # on the H200
     python -m bench.mla_layer_timing --M 1,9 --context 8192 --profile /tmp/mla  # + a kernel-by-kernel table
+    python -m bench.mla_layer_timing --M 1,9 --mla-kernel xla,pallas            # A/B of the attention kernel
     python -m bench.mla_layer_timing --tiny --M 1 --iters 1 --layers 1 --dense-kernel xla --context 64
                                                                                  # any host (smoke run)
 
 Builds `lingjax.model.mla.GatedMLA` layers with random weights (fp8 128 x 128 blocks by default, as
-the full-depth benchmark runs them), sets --dense-kernel on their projections, gives each an
+the full-depth benchmark runs them), sets --dense-kernel on their projections and each
+--mla-kernel in turn on their absorbed attention (one row per kernel and M), gives each an
 `MLAState` cache of --cache-len positions (sized as bench.batch1's Decoder sizes it) whose first
 --context positions hold random latent / k_rope values, and times `layer(x, cache, pos)` for
 x [1, M, D] at pos = --context inside one jitted loop (bench.common.time_in_loop over --layers
@@ -30,7 +32,7 @@ import argparse
 import contextlib
 from pathlib import Path
 
-from bench.common import COPY_BW_H200, add_layer_loop_args, int_list
+from bench.common import COPY_BW_H200, add_layer_loop_args, choice_list, int_list
 from bench.kernel_table import print_table, profile_loop
 from lingjax import xla_env
 
@@ -38,14 +40,17 @@ from lingjax import xla_env
 PREFILL_CHUNK = 2048      # lingjax.spec_decode.Decoder.prefill_chunk
 OUTPUT_LEN = 1024         # bench.batch1 --output-len
 DRAFTS = 8                # bench.batch1 --block-size (speculative rows)
+CACHE_ALIGN = 64          # lingjax.spec_decode.CACHE_ALIGN (not imported: that imports jax before xla_env)
 
 
 def decoder_cache_len(context: int, output_len: int = OUTPUT_LEN, drafts: int = DRAFTS,
                       chunk: int = PREFILL_CHUNK) -> int:
     """The MLA cache length `lingjax.spec_decode.Decoder` allocates for a prompt of `context`
-    tokens: chunks * chunk + max_new + drafts + 2 (9226 at context 8192 with batch1's defaults)."""
+    tokens: chunks * chunk + max_new + drafts + 2, rounded up to a multiple of CACHE_ALIGN (9280
+    at context 8192 with batch1's defaults)."""
     c = min(context, chunk)
-    return c * -(-context // c) + output_len + drafts + 2
+    n = c * -(-context // c) + output_len + drafts + 2
+    return -(-n // CACHE_ALIGN) * CACHE_ALIGN
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,17 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-len", type=int, default=None,
                     help="positions of the allocated cache (default: as the Decoder sizes it for bench.batch1, "
                          f"context rounded up to {PREFILL_CHUNK}-token prefill chunks + {OUTPUT_LEN} output + "
-                         f"{DRAFTS} drafts + 2: 9226 at context 8192)")
+                         f"{DRAFTS} drafts + 2, in multiples of {CACHE_ALIGN}: 9280 at context 8192)")
     ap.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8", help="MLA weights (default fp8)")
     ap.add_argument("--dense-kernel", choices=["pallas", "xla"], default="pallas",
                     help="the q / kv_a / output projections' kernel (default pallas)")
+    ap.add_argument("--mla-kernel", default="xla",
+                    help="comma list of the absorbed attention's kernels, one row each: xla, pallas (the "
+                         "flash-decoding kernel over the latent cache; bf16 cache) (default xla)")
     ap.add_argument("--layers", type=int, default=4,
                     help="weight copies (each with its own cache) cycled through, as a model's layers are "
                          "(default 4: a fp8 copy is 32 MB, so 4 keep each weight's reuse distance past the 60 MB L2)")
     ap.add_argument("--copy-bw", type=float, default=COPY_BW_H200,
                     help=f"bytes/s the bytes-per-call fraction is taken of (default {COPY_BW_H200:.3g}: "
                          "the H200's copy bandwidth, bench.common.COPY_BW_H200)")
-    add_layer_loop_args(ap, "trace one more loop per row into DIR/M<M> and print its kernels")
+    add_layer_loop_args(ap, "trace one more loop per row into DIR/<kernel>-M<M> and print its kernels")
     return ap
 
 
@@ -77,14 +85,17 @@ def main(argv=None) -> dict:
     ap = build_parser()
     a = ap.parse_args(argv)
     ms = int_list(ap, a.M, "--M")
-    if not ms or min(ms) < 1 or max(ms) > 16 or a.iters < 1 or a.layers < 1:
-        ap.error("--M needs token counts in 1..16, --iters and --layers >= 1")
+    attn_kernels = choice_list(ap, a.mla_kernel, "--mla-kernel", ("xla", "pallas"))
+    if not ms or min(ms) < 1 or max(ms) > 16 or a.iters < 1 or a.layers < 1 or not attn_kernels:
+        ap.error("--M needs token counts in 1..16, --iters and --layers >= 1, --mla-kernel at least one kernel")
     if a.context < 1:
         ap.error(f"--context must be >= 1, got {a.context}")
     cache_len = decoder_cache_len(a.context) if a.cache_len is None else a.cache_len
     if a.context + max(ms) > cache_len:
         ap.error(f"--context {a.context} + M {max(ms)} does not fit --cache-len {cache_len} (the block is written "
                  f"at positions context..context+M-1)")
+    if "pallas" in attn_kernels and cache_len % 8:
+        ap.error(f"--mla-kernel pallas needs a --cache-len that is a multiple of 8 (its TMA tiles), got {cache_len}")
     if a.copy_bw <= 0:
         ap.error(f"--copy-bw must be > 0, got {a.copy_bw}")
     if not a.no_xla_defaults:
@@ -97,7 +108,7 @@ def main(argv=None) -> dict:
     from lingjax.cache import MLAState
     from lingjax.config import preset
     from lingjax.model import dense, kernels as kernel_ctx
-    from lingjax.model.mla import GatedMLA
+    from lingjax.model.mla import GatedMLA, check_mla_kernel
     from lingjax.quant import quantize_model
 
     on_gpu = jax.default_backend() == "gpu"
@@ -129,13 +140,19 @@ def main(argv=None) -> dict:
     cache_alloc_bytes = sum(x.nbytes for x in jax.tree.leaves(caches[0]))
     pos = jnp.int32(a.context)                          # traced, as the decode loop's position
 
-    def f(x, pos, st, cache):
-        return nnx.merge(graphdef, st)(x, cache, pos)   # (y, cache with the block written)
+    def layer_fn(kernel):
+        def f(x, pos, st, cache):
+            m = nnx.merge(graphdef, st)
+            m.mla_kernel = check_mla_kernel(kernel, act)
+            return m(x, cache, pos)                     # (y, cache with the block written)
+        return f
 
-    ctx = kernel_ctx.pallas_interpret if not on_gpu and a.dense_kernel == "pallas" else contextlib.nullcontext
+    uses_pallas = a.dense_kernel == "pallas" or "pallas" in attn_kernels
+    ctx = kernel_ctx.pallas_interpret if not on_gpu and uses_pallas else contextlib.nullcontext
     kw = {} if on_gpu else {"per_iter": 1, "repeats": 1}
     rows = []
-    for M in ms:
+    for kernel, M in ((k, m) for m in ms for k in attn_kernels):
+        f = layer_fn(kernel)
         xs = [jax.random.normal(jax.random.PRNGKey(a.seed + 7 * M + i), (1, M, cfg.hidden_size),
                                 jnp.float32).astype(act) for i in range(a.layers)]
         sets = [(x, pos, st, c) for x, st, c in zip(xs, states, caches)]
@@ -145,20 +162,21 @@ def main(argv=None) -> dict:
         net = t - overhead
         cache_bytes = (a.context + M) * (lat + rope) * jnp.dtype(act).itemsize
         nbytes = weight_bytes + cache_bytes
-        row = {"M": M, "layer_us": net * 1e6, "raw_us": t * 1e6, "loop_overhead_us": overhead * 1e6,
+        row = {"mla_kernel": kernel, "M": M, "layer_us": net * 1e6, "raw_us": t * 1e6, "loop_overhead_us": overhead * 1e6,
                "bytes": nbytes, "cache_bytes": cache_bytes}
         if net > 0:
             row.update({"GBps": nbytes / net / 1e9, "pct_copy_bw": 100 * nbytes / net / a.copy_bw})
-        print(f"M={M:2d}: {row['layer_us']:7.1f} us per MLA layer call at context {a.context} "
+        print(f"{kernel:6s} M={M:2d}: {row['layer_us']:7.1f} us per MLA layer call at context {a.context} "
               f"({nbytes / 1e6:.1f} MB: {row.get('pct_copy_bw', float('nan')):.0f}% of {a.copy_bw / 1e12:.2f} TB/s; "
               f"loop overhead {row['loop_overhead_us']:.1f} us subtracted)"
               + ("" if on_gpu else "  [not a GPU: smoke run, not a timing]"), flush=True)
         if a.profile:
-            row["kernels"] = profile_loop(f, sets, a.iters, Path(a.profile) / f"M{M}", ctx, kw.get("per_iter", 8),
+            row["kernels"] = profile_loop(f, sets, a.iters, Path(a.profile) / f"{kernel}-M{M}", ctx, kw.get("per_iter", 8),
                                           carry_last=True)
             print_table(row["kernels"])
         rows.append(row)
-    rec = {"bench": "mla_layer_timing", "dtype": a.dtype, "dense_kernel": a.dense_kernel, "layers": a.layers,
+    rec = {"bench": "mla_layer_timing", "dtype": a.dtype, "dense_kernel": a.dense_kernel,
+           "mla_kernels": attn_kernels, "layers": a.layers,
            "iters": a.iters, "context": a.context, "cache_len": cache_len,
            "preset": "ling3-tiny" if a.tiny else "ling3-flash", "weight_bytes": weight_bytes,
            "cache_alloc_bytes": cache_alloc_bytes, "copy_bw": a.copy_bw, "smoke": not on_gpu, "rows": rows}

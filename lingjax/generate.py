@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                              block_size=args.block_size, verify_policy=args.verify_policy,
                              chunk_steps=args.chunk_steps, quiet=args.quiet or args.json, mesh=args.mesh,
                              kda_kernel=args.kda_kernel, moe_kernel=args.moe_kernel,
-                             dense_kernel=args.dense_kernel, approx=args.approx)
+                             dense_kernel=args.dense_kernel, mla_kernel=args.mla_kernel, approx=args.approx)
         if prompt_ids is not None:
             prompt = prompt_ids
         else:

@@ -11,11 +11,14 @@ SWITCHES = (
                    "kernel (bf16 or fp8 expert weights)", False),
     ("dense_kernel", "dense projections and lm_head of decode / verify calls (<= 16 tokens): XLA, or the "
                      "Pallas skinny GEMM (bf16 or fp8 weights)", False),
+    ("mla_kernel", "absorbed MLA attention of decode / verify calls (<= 16 tokens) over the latent cache: "
+                   "XLA, or the Pallas flash-decoding kernel (bf16 model, no fp8_mla_cache; new, not yet "
+                   "measured on a GPU)", False),
 )
 
 
 def add_kernel_args(ap) -> None:
-    """--kda-kernel / --moe-kernel / --dense-kernel on an argparse parser (CLI, server, benchmark)."""
+    """--kda-kernel / --moe-kernel / --dense-kernel / --mla-kernel on an argparse parser (CLI, server, benchmark)."""
     for name, what, on_mesh in SWITCHES:
         ap.add_argument("--" + name.replace("_", "-"), choices=["xla", "pallas"], default="xla",
                         help=f"{what}; 'pallas' needs an NVIDIA Hopper GPU"

@@ -12,6 +12,7 @@ from lingjax.approx import ApproxModes
 from lingjax.engine import Engine
 from lingjax.model import kernels
 from lingjax.model.dense import check_dense_kernel, set_dense_kernel
+from lingjax.model.mla import check_mla_kernel, set_mla_kernel
 from lingjax.model.kda import check_kda_kernel, set_kda_kernel
 from lingjax.model.mlp import check_moe_kernel, set_moe_kernel
 from lingjax.spec_decode import SpecConfig
@@ -43,7 +44,8 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
                 spec: str | None = None, block_size: int | None = None, verify_policy: str = "fixed",
                 chunk_steps: int = 16, max_context: int | None = None, quiet: bool = False,
                 mesh: str | None = None, kda_kernel: str = "xla", moe_kernel: str = "xla",
-                dense_kernel: str = "xla", approx: str | ApproxModes | None = None) -> Engine:
+                dense_kernel: str = "xla", mla_kernel: str = "xla",
+                approx: str | ApproxModes | None = None) -> Engine:
     """checkpoint None = the embedded default model (and its draft unless `draft` is given).
 
     mesh: 'tp=N[,ep=M]' (lingjax.sharding.parse_mesh) to split the target and draft over N*M
@@ -54,6 +56,9 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
     fp8 or bfloat16 expert weights, NVIDIA Hopper GPU only), see lingjax/model/mlp.py.
     dense_kernel: 'xla' | 'pallas' (the Mosaic GPU skinny GEMM for the dense projections and lm_head
     of calls of <= 16 tokens; fp8 or bfloat16 weights, NVIDIA Hopper GPU only), see lingjax/model/dense.py.
+    mla_kernel: 'xla' | 'pallas' (the Mosaic GPU flash-decoding kernel for the absorbed MLA attention of
+    calls of <= 16 tokens; a bfloat16 model without fp8_mla_cache, NVIDIA Hopper GPU only), see
+    lingjax/model/mla.py.
     approx: approximate speed modes, an ApproxModes or its text form ('expert_keep=0.75,bf16_router_head,
     bf16_kda_state,fp8_mla_cache'; lingjax/approx.py); None = every mode off (exact)."""
     if dtype not in DTYPES:
@@ -63,7 +68,9 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
         check_kda_kernel(kda_kernel, dtype=jdtype)
         check_moe_kernel(moe_kernel, dtype=jdtype)
         check_dense_kernel(dense_kernel, dtype=jdtype)
-        kernels.check_runnable(dict(kda_kernel=kda_kernel, moe_kernel=moe_kernel, dense_kernel=dense_kernel), mesh)
+        check_mla_kernel(mla_kernel, dtype=jdtype)
+        kernels.check_runnable(dict(kda_kernel=kda_kernel, moe_kernel=moe_kernel, dense_kernel=dense_kernel,
+                                    mla_kernel=mla_kernel), mesh)
     except ValueError as e:
         raise LoadError(str(e)) from None
     try:
@@ -95,6 +102,7 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
         set_kda_kernel(target, kda_kernel)
         set_moe_kernel(target, moe_kernel)
         set_dense_kernel(target, dense_kernel)
+        set_mla_kernel(target, mla_kernel)
     except ValueError as e:
         raise LoadError(f"{checkpoint or 'embedded model'}: {e}") from None
     if draft is not None:
@@ -117,5 +125,5 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
                     chunk_steps=chunk_steps, max_context=max_context)
     _log(f"loaded in {time.perf_counter() - t0:.1f}s (spec={method}, block={spec_cfg.block_size}, "
          f"policy={verify_policy}, kda_kernel={kda_kernel}, moe_kernel={moe_kernel}, "
-         f"dense_kernel={dense_kernel}, approx={modes.describe()})", quiet)
+         f"dense_kernel={dense_kernel}, mla_kernel={mla_kernel}, approx={modes.describe()})", quiet)
     return engine

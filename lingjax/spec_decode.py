@@ -386,7 +386,11 @@ class Decoder:
         return s._replace(out=out, n_out=(at + n_new).astype(jnp.int32), finish=finish.astype(jnp.int32))
 
 
+CACHE_ALIGN = 64   # cache lengths in whole multiples (mla_kernel='pallas' needs S % 8 == 0; a few unused slots)
+
+
 def _init_cache(target: LingModel, max_len: int) -> LingCache:
+    max_len = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
     return init_cache(target.cfg, 1, max_len, target.dtype, with_mtp=target.mtp is not None, approx=target.approx)
 
 

@@ -74,7 +74,7 @@ def engine_factory(args):
                              block_size=args.block_size, verify_policy=args.verify_policy,
                              chunk_steps=args.chunk_steps, max_context=args.max_context, mesh=args.mesh,
                              kda_kernel=args.kda_kernel, moe_kernel=args.moe_kernel,
-                             dense_kernel=args.dense_kernel, approx=args.approx)
+                             dense_kernel=args.dense_kernel, mla_kernel=args.mla_kernel, approx=args.approx)
         tok = None
         if args.tokenizer_byte_level:
             from serve.testing import byte_level_tokenizer

@@ -7,11 +7,12 @@ from bench import mla_layer_timing
 
 def test_smoke_record(tmp_path):
     rec = mla_layer_timing.main(["--tiny", "--M", "1,3", "--iters", "1", "--layers", "1", "--dense-kernel", "xla",
-                                 "--context", "64", "--out", str(tmp_path)])
+                                 "--mla-kernel", "xla,pallas", "--context", "64", "--out", str(tmp_path)])
     assert rec["bench"] == "mla_layer_timing" and rec["smoke"] and rec["preset"] == "ling3-tiny"
     assert rec["dtype"] == "fp8" and rec["context"] == 64 and rec["cache_len"] == mla_layer_timing.decoder_cache_len(64)
     assert rec["weight_bytes"] > 0 and rec["cache_alloc_bytes"] > 0
-    assert [r["M"] for r in rec["rows"]] == [1, 3]
+    assert rec["mla_kernels"] == ["xla", "pallas"]
+    assert [(r["mla_kernel"], r["M"]) for r in rec["rows"]] == [("xla", 1), ("pallas", 1), ("xla", 3), ("pallas", 3)]
     for row in rec["rows"]:
         assert row["layer_us"] > 0 and row["raw_us"] > row["loop_overhead_us"] > 0
         assert row["cache_bytes"] == (64 + row["M"]) * (512 + 64) * 2
@@ -36,10 +37,13 @@ def test_profile_loop_with_a_carried_state(tmp_path):
 
 
 def test_decoder_cache_len():
-    """The Decoder's cache for bench.batch1 (8192-token prompt in 2048-token chunks, 1024 output, 8 drafts)."""
-    assert mla_layer_timing.decoder_cache_len(8192) == 8192 + 1024 + 8 + 2
-    assert mla_layer_timing.decoder_cache_len(3000) == 4096 + 1034      # prompt padded to whole chunks
-    assert mla_layer_timing.decoder_cache_len(64) == 64 + 1034
+    """The Decoder's cache for bench.batch1 (8192-token prompt in 2048-token chunks, 1024 output, 8
+    drafts, 2 more), in whole multiples of lingjax.spec_decode.CACHE_ALIGN."""
+    from lingjax.spec_decode import CACHE_ALIGN
+    assert mla_layer_timing.CACHE_ALIGN == CACHE_ALIGN == 64
+    assert mla_layer_timing.decoder_cache_len(8192) == 9280             # 8192 + 1024 + 8 + 2 = 9226
+    assert mla_layer_timing.decoder_cache_len(3000) == 5184             # prompt padded to whole chunks: 5130
+    assert mla_layer_timing.decoder_cache_len(64) == 1152               # 1098
 
 
 @pytest.mark.parametrize("argv, msg", [
@@ -48,6 +52,8 @@ def test_decoder_cache_len():
     (["--context", "2000", "--cache-len", "1000"], "does not fit"),
     (["--context", "1000", "--cache-len", "1008", "--M", "9"], "does not fit"),
     (["--copy-bw", "0"], "--copy-bw"),
+    (["--mla-kernel", "triton"], "--mla-kernel must be"), (["--mla-kernel", ""], "--mla-kernel at least"),
+    (["--mla-kernel", "pallas", "--context", "100", "--cache-len", "1001"], "multiple of 8"),
 ])
 def test_bad_flags(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:

@@ -17,7 +17,7 @@ from lingjax.config import LingConfig
 from lingjax.model.common import RMSNorm, acc_dtype, param
 from lingjax.model.dense import check_dense_kernel, dense_matmul, set_dense_kernel, uses_kernel
 from lingjax.model.kda import KDA, check_kda_kernel, commit_prefix
-from lingjax.model.mla import GatedMLA
+from lingjax.model.mla import GatedMLA, check_mla_kernel, set_mla_kernel
 from lingjax.model.mlp import DenseMLP, MoE, check_moe_kernel
 
 
@@ -86,7 +86,7 @@ class LingModel(nnx.Module):
 
     def __init__(self, cfg: LingConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None, with_mtp: bool | None = None,
                  kda_kernel: str = "xla", moe_kernel: str = "xla", dense_kernel: str = "xla",
-                 approx: ApproxModes = ApproxModes()):
+                 mla_kernel: str = "xla", approx: ApproxModes = ApproxModes()):
         """kda_kernel: 'xla' (default) | 'pallas': the KDA recurrence kernel (lingjax/model/kda.py).
         moe_kernel: 'xla' (default) | 'pallas': the routed-expert kernel of calls of <= 16 tokens
         (lingjax/model/mlp.py); after lingjax.quant.quantize_model, or to switch a loaded model,
@@ -96,11 +96,15 @@ class LingModel(nnx.Module):
         model (a float32 model's weights are float32: nothing to stream, ValueError); after
         lingjax.quant.quantize_model, or to switch a loaded model, use
         lingjax.model.dense.set_dense_kernel (it records which weights the kernel streams).
+        mla_kernel: 'xla' (default) | 'pallas': the absorbed attention of calls of <= 16 tokens over
+        the latent cache (lingjax/model/mla.py); 'pallas' needs a bfloat16 model without
+        approx.fp8_mla_cache; to switch a loaded model use lingjax.model.mla.set_mla_kernel.
         approx: optional approximate speed modes (lingjax/approx.py), all off by default; caches
         for this model come from `self.init_cache` (storage dtypes follow the modes)."""
         check_kda_kernel(kda_kernel)
         check_moe_kernel(moe_kernel)
         check_dense_kernel(dense_kernel, dtype)
+        check_mla_kernel(mla_kernel, dtype, approx.fp8_mla_cache)
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg = cfg
         self.dtype = dtype
@@ -115,6 +119,7 @@ class LingModel(nnx.Module):
         self.mtp = MTPLayer(cfg, dtype=dtype, rngs=rngs, moe_kernel=moe_kernel) if with_mtp else None
         set_approx(self, approx)
         set_dense_kernel(self, dense_kernel)
+        set_mla_kernel(self, mla_kernel)
 
     def init_cache(self, batch: int, max_len: int, *, with_mtp: bool | None = None) -> LingCache:
         """Zeroed cache for this model: activation dtype, storage dtypes of `self.approx`."""

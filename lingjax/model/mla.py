@@ -8,6 +8,14 @@ With ApproxModes.fp8_mla_cache the cache's latent is float8_e4m3fn with a float3
 (`MLAState.latent_scale`): a token's quantised latent does not depend on which block wrote it, so
 prefill, decode and verify see the same values. The absorbed form folds the scale into the scores
 and the probabilities (the dots read fp8 converted, never a rescaled copy of the cache).
+
+The absorbed attention of decode / verify calls (<= 16 tokens) runs on one of two kernels
+(``mla_kernel``, XLA by default): the einsums below, or the Pallas flash-decoding kernel over the
+latent cache (pallas_kernels/mla_decode.py; compiled on a GPU, interpreted inside
+``kernels.pallas_interpret()`` on CPU). The kernel reads a bfloat16 cache only: 'pallas' needs a
+bfloat16 model without ApproxModes.fp8_mla_cache (:func:`check_mla_kernel` refuses the others), a
+cache length that is a multiple of 8 (lingjax.spec_decode sizes its caches in multiples of 64),
+and no device mesh. Prefill (longer blocks) stays on XLA. Not yet measured on a GPU (session 18).
 """
 from __future__ import annotations
 
@@ -19,10 +27,39 @@ from lingjax.approx import quantize_fp8_per_token
 from lingjax.cache import MLAState
 from lingjax.config import LingConfig
 from lingjax.model import dense as dense_proj
+from lingjax.model import kernels
 from lingjax.model.common import RMSNorm, acc_dtype, apply_rope, param, rope_cos_sin
+from pallas_kernels import mla_decode
 
 # Query blocks shorter than this use the absorbed form.
 ABSORB_MAX_TOKENS = 32
+MLA_KERNELS = ("xla", "pallas")
+
+
+def check_mla_kernel(kernel: str, dtype=None, fp8_cache: bool = False) -> str:
+    """Validate an mla_kernel value (and, given the model dtype / its fp8_mla_cache mode, that the
+    Pallas kernel can read the cache)."""
+    if kernel not in MLA_KERNELS:
+        raise ValueError(f"mla_kernel must be one of {', '.join(map(repr, MLA_KERNELS))}, got {kernel!r}")
+    if kernel == "pallas":
+        if dtype is not None and jnp.dtype(dtype) != jnp.bfloat16:
+            raise ValueError(f"mla_kernel='pallas' reads a bfloat16 latent cache; a {jnp.dtype(dtype).name} model "
+                             "keeps a cache of that dtype: load the model in bfloat16 or use mla_kernel='xla'")
+        if fp8_cache:
+            raise ValueError("mla_kernel='pallas' reads a bfloat16 latent cache, not the fp8 one of "
+                             "ApproxModes.fp8_mla_cache: drop that mode or use mla_kernel='xla'")
+    return kernel
+
+
+def set_mla_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
+    """Switch every gated-MLA layer of `model` (the MTP block's too) to `kernel`, in place; call it
+    after set_approx and before the model is split / jitted (the choice is static). Returns `model`."""
+    approx = getattr(model, "approx", None)
+    fp8_cache = bool(approx is not None and approx.fp8_mla_cache)
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, GatedMLA):
+            m.mla_kernel = check_mla_kernel(kernel, getattr(model, "dtype", None), fp8_cache)
+    return model
 
 
 class GatedMLA(nnx.Module):
@@ -33,6 +70,7 @@ class GatedMLA(nnx.Module):
         d, h = cfg.hidden_size, cfg.num_attention_heads
         nope, rope, vd, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         self.cfg = cfg
+        self.mla_kernel = "xla"          # set_mla_kernel
         if cfg.q_lora_rank:
             self.q_a = param(rngs, (d, cfg.q_lora_rank), ("embed", None), dtype, std=d ** -0.5)
             self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype, logical=(None,))
@@ -82,7 +120,9 @@ class GatedMLA(nnx.Module):
             cache = _write_fp8(cache, latent, k_rope, pos)
         s_len = cache.latent.shape[1]
         mask = jnp.arange(s_len)[None, :] <= positions[:, None]               # [T, S]
-        if t < ABSORB_MAX_TOKENS:
+        if self.mla_kernel == "pallas" and t <= mla_decode.MAX_T:
+            o = self._attend_pallas(q_nope, q_rope, cache, pos)
+        elif t < ABSORB_MAX_TOKENS:
             o = self._attend_absorbed(q_nope, q_rope, cache, mask)
         else:
             o = self._attend_expanded(q_nope, q_rope, cache, mask)
@@ -138,6 +178,26 @@ class GatedMLA(nnx.Module):
         p = self._softmax(scores, mask, t_axis=1)
         o_lat = jnp.einsum("bths,bsl->bthl", p.astype(lat.dtype), lat, preferred_element_type=acc)
         return jnp.einsum("bthl,lhv->bthv", o_lat, kv_b[..., nope:].astype(acc))
+
+
+    def _attend_pallas(self, q_nope, q_rope, cache: MLAState, pos):
+        """The absorbed attention on the Pallas kernel (same q_lat and W_uv as `_attend_absorbed`).
+        Returns [B, T, H, V] float32."""
+        nope = self.cfg.qk_nope_head_dim
+        b, t, h, _ = q_nope.shape
+        if cache.latent_scale is not None or cache.latent.dtype != jnp.bfloat16:
+            raise ValueError(f"mla_kernel='pallas' reads a bfloat16 latent cache; this cache is "
+                             f"{jnp.dtype(cache.latent.dtype).name}: use mla_kernel='xla'")
+        if kernels.current_mesh() is not None:
+            raise ValueError("mla_kernel='pallas' is not split over a device mesh yet; use mla_kernel='xla'")
+        acc = acc_dtype(q_nope.dtype)
+        kv_b = self.kv_b[...]
+        q_lat = jnp.einsum("bthn,lhn->bthl", q_nope.astype(acc), kv_b[..., :nope].astype(acc))
+        rows = lambda a: a.astype(jnp.bfloat16).reshape(b, t * h, -1)      # noqa: E731  [B, T*H, .], t-major
+        o_lat = kernels.shared_call(mla_decode.mla_decode_attention_pallas, rows(q_lat), rows(q_rope), cache.latent,
+                                    cache.k_rope, pos, heads=h, scale=float(self.cfg.attention_scale),
+                                    interpret=kernels.interpret_arg("mla_kernel"))
+        return jnp.einsum("bthl,lhv->bthv", o_lat.reshape(b, t, h, -1), kv_b[..., nope:].astype(acc))
 
 
 def _write_fp8(cache: MLAState, latent, k_rope, pos) -> MLAState:

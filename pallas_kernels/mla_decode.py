@@ -1,0 +1,261 @@
+"""Absorbed MLA decode / verify attention over the latent cache (Pallas Mosaic GPU, `plgpu.kernel`),
+split over the context like flash-decoding, for query blocks of T = 1..16 tokens.
+
+Contract (the XLA reference is :func:`lingjax.ops.mla.absorbed_attention`, which is what the model's
+absorbed path computes; lingjax/model/mla.py):
+
+    q_lat   [B, R, L]       bf16   rows r = t * H + h (token-major, as [B, T, H] flattens): the
+                                   absorbed latent query q_nope . W_uk
+    q_rope  [B, R, Dr]      bf16   the rotated rope query (same rows)
+    latent  [B, S, L]       bf16   the cache's kv_a_layernorm(latent) per position
+    k_rope  [B, S, Dr]      bf16   the cache's rotated rope key per position
+    pos     int32 scalar           the block's first position: row r sees positions s <= pos + r // H
+    -> o    [B, R, L]       float32   softmax_s(scale * (q_lat . latent_s + q_rope . k_rope_s)) . latent
+
+Design
+------
+* The T x H query rows share one latent K / V, so a program takes a tile of 64 rows (one WGMMA
+  M; R padded up, pad rows discarded) against a share of the context, and the context is split
+  over ``splits`` programs. Grid ``(B, R / 64, L / cb, splits)``: the third axis splits the
+  output's L columns into cb <= 256 wide blocks (a WGMMA N), because one warpgroup's [64, 512]
+  float32 accumulator would take 256 registers per thread; each of the column programs recomputes
+  the same scores (QK over all L + Dr columns) and keeps only its columns of P . latent.
+* Per 64-position chunk (a double-buffered TMA pipeline: the next chunk's latent / rope rows
+  load while this one is used): scores = q . [latent | k_rope]^T by WGMMA (the chunk's SMEM
+  tiles transposed as B), masked (s <= the row's position), an online softmax in the log2
+  domain (FlashAttention's running max m and sum l; P rounded to bf16, the rounding the XLA path
+  applies to its normalised probabilities), the accumulator rescaled and acc += P . latent_chunk[:,
+  cols] by WGMMA with P as a register A operand. The split's chunks are an even share of the
+  ceil((pos + T) / 64) chunks any row can see, computed in the kernel from pos (the cache's
+  length S is only an upper bound; S % 8 == 0, the TMA tiles' rows). A cache whose length is
+  not a multiple of the chunk reads its last chunk from S - 64 and masks the positions an earlier
+  chunk covered.
+* Each program writes its normalised partial o = acc / l [64, cb] float32 and (column block 0)
+  lse = m + log2 l; XLA combines the splits: o = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M).
+  Every row sees position 0, so M is finite; an empty split writes lse = -inf and o = 0.
+
+Interpret mode (CPU tests) takes WGMMA operands only from SMEM: P goes through an SMEM tile there
+(`common.a_operand`); the register operand is checked by cross-lowering, then on the H200.
+
+Status (session 18): interpret-mode tests against the reference and a float64 oracle, and
+cross-lowering for CUDA at the Ling shape (B = 1, H = 32, L = 512, Dr = 64, T = 1 and 9, an
+8K-position cache); not yet compiled or timed on a GPU. The model uses it only when
+``lingjax.model.mla.DECODE_ATTENTION = "pallas"`` (off by default until measured).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import a_operand, store, swizzled
+
+__all__ = ["BLOCK_ROWS", "MAX_T", "combine_splits", "mla_decode_attention_pallas", "pick_block_s",
+           "pick_splits"]
+
+BLOCK_ROWS = 64           # query rows per program (one WGMMA M)
+MAX_COLS = 256            # output columns per program (one WGMMA N)
+MAX_T = 16                # tokens per call: decode, a speculative verify block
+TARGET_PROGRAMS = 132     # the H200's SMs: the default split count aims at one program per SM
+_F32, _BF = jnp.float32, jnp.bfloat16
+_LOG2E = math.log2(math.e)
+
+
+def pick_block_s(S: int) -> int:
+    """Context positions per chunk: 64, or 32 / 16 for caches shorter than that."""
+    for cand in (64, 32, 16):
+        if S >= cand:
+            return cand
+    raise ValueError(f"the cache holds S={S} positions; the kernel needs S >= 16")
+
+
+def pick_splits(B: int, row_tiles: int, col_blocks: int, chunks: int) -> int:
+    """Context splits: enough programs for one per SM (TARGET_PROGRAMS), at most one per chunk."""
+    return max(1, min(chunks, TARGET_PROGRAMS // max(1, B * row_tiles * col_blocks)))
+
+
+def _col_blocks(L: int) -> tuple[int, int]:
+    """(number of column blocks, their width cb <= MAX_COLS) for L latent columns."""
+    n = -(-L // MAX_COLS)
+    if L % n or (L // n) % 16:
+        raise ValueError(f"latent width L={L} must split into <= {MAX_COLS}-wide blocks of a multiple of 16")
+    return n, L // n
+
+
+def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: int, scale: float, splits: int | None = None,
+                                block_s: int | None = None, interpret=False):
+    """The absorbed attention of a decode / verify block over the latent cache; see the module
+    docstring. q_lat [B, R, L], q_rope [B, R, Dr] (R = T * heads), latent [B, S, L], k_rope [B, S, Dr],
+    all bf16; pos int32 scalar -> o [B, R, L] float32. ``splits``: context splits (default: `pick_splits`);
+    ``block_s``: positions per chunk (default: `pick_block_s`); ``interpret``: False (compile for the
+    GPU) or a ``plgpu.InterpretGPUParams`` (CPU simulation)."""
+    B, R, L = q_lat.shape
+    S = latent.shape[1]
+    Dr = k_rope.shape[-1]
+    if latent.shape != (B, S, L) or k_rope.shape != (B, S, Dr) or q_rope.shape != (B, R, Dr):
+        raise ValueError(f"q_lat {q_lat.shape}, q_rope {q_rope.shape}, latent {latent.shape}, k_rope {k_rope.shape}: "
+                         "need q_lat [B, R, L], q_rope [B, R, Dr], latent [B, S, L], k_rope [B, S, Dr]")
+    if any(jnp.dtype(x.dtype) != _BF for x in (q_lat, q_rope, latent, k_rope)):
+        raise ValueError(f"q_lat, q_rope, latent, k_rope must be bfloat16 (got {q_lat.dtype}, {q_rope.dtype}, "
+                         f"{latent.dtype}, {k_rope.dtype}); an fp8 or float32 cache needs the XLA path")
+    if R % heads:
+        raise ValueError(f"R={R} query rows are not a whole number of tokens of {heads} heads")
+    T = R // heads
+    if not 1 <= T <= MAX_T:
+        raise ValueError(f"T={T} tokens; the kernel takes 1..{MAX_T}")
+    if S % 8:
+        raise ValueError(f"the cache holds S={S} positions; the kernel's TMA copies need S % 8 == 0 "
+                         "(lingjax.spec_decode sizes its caches in multiples of 64)")
+    if Dr % 16:
+        raise ValueError(f"rope width Dr={Dr} must be a multiple of 16")
+    nblk, cb = _col_blocks(L)
+    bs = pick_block_s(S) if block_s is None else block_s
+    if bs not in (16, 32, 64) or bs > S:
+        raise ValueError(f"block_s={bs} must be 16, 32 or 64 and <= S={S}")
+    row_tiles = -(-R // BLOCK_ROWS)
+    Rp = row_tiles * BLOCK_ROWS
+    chunks = -(-S // bs)
+    n_split = pick_splits(B, row_tiles, nblk, chunks) if splits is None else int(splits)
+    if not 1 <= n_split <= chunks:
+        raise ValueError(f"splits={n_split} must be in 1..{chunks} (the cache's {bs}-position chunks)")
+    pos = jnp.asarray(pos, jnp.int32)
+    pad = ((0, 0), (0, Rp - R), (0, 0))
+    ql, qr = (q_lat, q_rope) if Rp == R else (jnp.pad(q_lat, pad), jnp.pad(q_rope, pad))
+    # the last position each row sees (pad rows: the last token's), and the block's end
+    limits = pos + jnp.minimum(jnp.arange(Rp, dtype=jnp.int32) // heads, T - 1)
+    end = (pos + T).reshape(1)
+    scale_log2 = float(scale) * _LOG2E
+    row = plgpu.Layout.WGMMA.reduce(1)
+    nbuf = nblk + 1                     # TMA copies per chunk: the latent column blocks, the rope key
+
+    def body(ql_g, qr_g, lat_g, kr_g, lim_g, end_g, o_g, lse_g):
+        b, r = lax.axis_index("b"), lax.axis_index("r")
+        j, sp = lax.axis_index("c"), lax.axis_index("s")
+        rows = pl.ds(r * BLOCK_ROWS, BLOCK_ROWS)
+        n_need = (end_g[0] + (bs - 1)) // bs
+        per = (n_need + (n_split - 1)) // n_split
+        lo = jnp.minimum(sp * per, n_need)
+        hi = jnp.minimum(lo + per, n_need)
+
+        def attend(q_s, qr_s, lat_s, kr_s, lim_s, qbar, bars, *p_s):
+            for i in range(nblk):
+                plgpu.copy_gmem_to_smem(ql_g.at[b, rows, pl.ds(i * cb, cb)], q_s.at[i], qbar.at[i])
+            plgpu.copy_gmem_to_smem(qr_g.at[b, rows], qr_s, qbar.at[nblk])
+            plgpu.copy_gmem_to_smem(lim_g.at[rows], lim_s, qbar.at[nblk + 1])
+
+            def issue(c, slot):
+                start = jnp.minimum(c * bs, S - bs)
+                for i in range(nblk):
+                    plgpu.copy_gmem_to_smem(lat_g.at[b, pl.ds(start, bs), pl.ds(i * cb, cb)], lat_s.at[slot, i],
+                                            bars.at[slot * nbuf + i])
+                plgpu.copy_gmem_to_smem(kr_g.at[b, pl.ds(start, bs)], kr_s.at[slot], bars.at[slot * nbuf + nblk])
+
+            @pl.when(lo < hi)
+            def _():
+                issue(lo, 0)
+
+            for i in range(nblk + 2):
+                plgpu.barrier_wait(qbar.at[i])
+            lim = lax.broadcast_in_dim(plgpu.load(lim_s, layout=row), (BLOCK_ROWS, bs), [0])
+
+            def chunk(c, carry):
+                acc, m, l = carry
+                slot = lax.rem(c - lo, jnp.int32(2))
+                for i in range(nbuf):
+                    plgpu.barrier_wait(bars.at[slot * nbuf + i])
+
+                @pl.when(c + 1 < hi)      # the other slot's readers (chunk c - 1's WGMMAs) have finished
+                def _():
+                    issue(c + 1, 1 - slot)
+
+                def qk(s_ref):
+                    for i in range(nblk):
+                        plgpu.wgmma(s_ref, q_s.at[i], lat_s.at[slot, i].transpose((1, 0)))
+                    plgpu.wgmma(s_ref, qr_s, kr_s.at[slot].transpose((1, 0)))
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, bs), _F32))
+                start = jnp.minimum(c * bs, S - bs)
+                at = start + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, bs), 1, layout=plgpu.Layout.WGMMA)
+                s = jnp.where((at >= c * bs) & (at <= lim), s * scale_log2, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # a row with nothing seen yet
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                acc = _mma_add(acc, a_operand(p.astype(_BF), p_s[0] if p_s else None, interpret), lat_s.at[slot, j], interpret)
+                return acc, m_new, l
+
+            acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, cb), _F32), plgpu.Layout.WGMMA)
+            m0 = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -jnp.inf, _F32), row)
+            l0 = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), _F32), row)
+            return lax.fori_loop(lo, hi, chunk, (acc0, m0, l0))
+
+        acc, m, l = pl.run_scoped(
+            attend,
+            plgpu.SMEM((nblk, BLOCK_ROWS, cb), _BF, transforms=swizzled(cb)),          # q, latent part
+            plgpu.SMEM((BLOCK_ROWS, Dr), _BF, transforms=swizzled(Dr)),                # q, rope part
+            plgpu.SMEM((2, nblk, bs, cb), _BF, transforms=swizzled(cb)),               # latent chunks
+            plgpu.SMEM((2, bs, Dr), _BF, transforms=swizzled(Dr)),                     # rope key chunks
+            plgpu.SMEM((BLOCK_ROWS,), jnp.int32),                                      # row limits
+            plgpu.Barrier(num_barriers=nblk + 2),
+            plgpu.Barrier(num_barriers=2 * nbuf),
+            *([plgpu.SMEM((BLOCK_ROWS, bs), _BF, transforms=swizzled(bs))] if interpret else []),  # P
+        )
+
+        def emit(o_s, lse_s):        # reuses the SMEM of `attend`'s buffers (a later scope)
+            seen = l > 0.0
+            l_safe = jnp.where(seen, l, 1.0)
+            store(o_s, acc / lax.broadcast_in_dim(l_safe, (BLOCK_ROWS, cb), [0]))
+            store(lse_s, jnp.where(seen, m + jnp.log(l_safe) * _LOG2E, -jnp.inf))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_g.at[b, sp, rows, pl.ds(j * cb, cb)])
+
+            @pl.when(j == 0)
+            def _():
+                plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, sp, rows])
+
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(emit, plgpu.SMEM((BLOCK_ROWS, cb), _F32), plgpu.SMEM((BLOCK_ROWS,), _F32))
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((B, n_split, Rp, L), _F32),
+                  jax.ShapeDtypeStruct((B, n_split, Rp), _F32)),
+        grid=(B, row_tiles, nblk, n_split),
+        grid_names=("b", "r", "c", "s"),
+        kernel_name="mla_decode_attention",    # the kernel's name in profiles
+        interpret=interpret if interpret else None,
+    )
+    o_part, lse = kernel(ql, qr, latent, k_rope, limits, end)
+    return combine_splits(o_part, lse)[:, :R]
+
+
+def _mma_add(acc, a, b_ref, interpret):
+    """acc + a . b by WGMMA (acc [64, N] float32 registers, a [64, K] registers or SMEM, b_ref [K, N]
+    SMEM); returns when the product is done. On the GPU the accumulator starts from acc
+    (``pl.run_state``); interpret mode has no run_state, so there the product is added after."""
+    if interpret:
+        def fresh(r):
+            plgpu.wgmma(r, a, b_ref)
+            return r[...]
+        return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, _F32))
+
+    def into(r):
+        plgpu.wgmma(r, a, b_ref)
+    return pl.run_state(into)(plgpu.ACC.init(acc))
+
+
+def combine_splits(o_part, lse):
+    """o_part [B, n, R, L] float32 (each split's normalised output), lse [B, n, R] (log2 of each
+    split's softmax denominator, max included; -inf: the split saw nothing) -> o [B, R, L]."""
+    top = jnp.max(lse, axis=1, keepdims=True)
+    w = jnp.exp2(lse - top)                                   # [B, n, R]
+    # a weighted sum over the split axis (one reduce fusion; an einsum would become a batched dot)
+    return jnp.sum(w[..., None] * o_part, axis=1) / jnp.sum(w, axis=1)[..., None]
