@@ -31,7 +31,8 @@ Design
   not a multiple of the chunk reads its last chunk from S - 64 and masks the positions an earlier
   chunk covered.
 * Each program writes its normalised partial o = acc / l [64, cb] float32 and (column block 0)
-  lse = m + log2 l; XLA combines the splits: o = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M).
+  lse = m + log2 l, only for real rows (R rounded up to 8; at T = 1, 32 of the tile's 64: the
+  partials are as many bytes as the cache read at the default splits); XLA combines the splits: o = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M).
   Every row sees position 0, so M is finite; an empty split writes lse = -inf and o = 0.
 
 Interpret mode (CPU tests) takes WGMMA operands only from SMEM: P goes through an SMEM tile there
@@ -118,6 +119,8 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
         raise ValueError(f"block_s={bs} must be 16, 32 or 64 and <= S={S}")
     row_tiles = -(-R // BLOCK_ROWS)
     Rp = row_tiles * BLOCK_ROWS
+    Ro = -(-R // 8) * 8                 # partial rows written: R up to whole 32-byte TMA rows of lse
+    last_rows = Ro - (row_tiles - 1) * BLOCK_ROWS
     chunks = -(-S // bs)
     n_split = pick_splits(B, row_tiles, nblk, chunks) if splits is None else int(splits)
     if not 1 <= n_split <= chunks:
@@ -214,20 +217,28 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
             store(o_s, acc / lax.broadcast_in_dim(l_safe, (BLOCK_ROWS, cb), [0]))
             store(lse_s, jnp.where(seen, m + jnp.log(l_safe) * _LOG2E, -jnp.inf))
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_g.at[b, sp, rows, pl.ds(j * cb, cb)])
 
-            @pl.when(j == 0)
-            def _():
-                plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, sp, rows])
+            def put(n):              # the tile's first n rows (the last tile holds Ro - (row_tiles - 1) * 64)
+                out_rows = pl.ds(r * BLOCK_ROWS, n)
+                plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, n)], o_g.at[b, sp, out_rows, pl.ds(j * cb, cb)])
 
+                @pl.when(j == 0)
+                def _():
+                    plgpu.copy_smem_to_gmem(lse_s.at[pl.ds(0, n)], lse_g.at[b, sp, out_rows])
+
+            if last_rows == BLOCK_ROWS:
+                put(BLOCK_ROWS)
+            else:
+                pl.when(r < row_tiles - 1)(lambda: put(BLOCK_ROWS))
+                pl.when(r == row_tiles - 1)(lambda: put(last_rows))
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(emit, plgpu.SMEM((BLOCK_ROWS, cb), _F32), plgpu.SMEM((BLOCK_ROWS,), _F32))
 
     kernel = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((B, n_split, Rp, L), _F32),
-                  jax.ShapeDtypeStruct((B, n_split, Rp), _F32)),
+        out_type=(jax.ShapeDtypeStruct((B, n_split, Ro, L), _F32),
+                  jax.ShapeDtypeStruct((B, n_split, Ro), _F32)),
         grid=(B, row_tiles, nblk, n_split),
         grid_names=("b", "r", "c", "s"),
         kernel_name="mla_decode_attention",    # the kernel's name in profiles
