@@ -163,7 +163,8 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
 
             for i in range(nblk + 2):
                 plgpu.barrier_wait(qbar.at[i])
-            lim = lax.broadcast_in_dim(plgpu.load(lim_s, layout=row), (BLOCK_ROWS, bs), [0])
+            lim = plgpu.load(lim_s, layout=row)      # [64]: broadcast where used (a [64, bs] int32 tile
+                                                     # live across the loop would hold 32 registers)
 
             def chunk(c, carry):
                 acc, m, l = carry
@@ -184,7 +185,8 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
                 s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, bs), _F32))
                 start = jnp.minimum(c * bs, S - bs)
                 at = start + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, bs), 1, layout=plgpu.Layout.WGMMA)
-                s = jnp.where((at >= c * bs) & (at <= lim), s * scale_log2, -jnp.inf)
+                seen = (at >= c * bs) & (at <= lax.broadcast_in_dim(lim, s.shape, [0]))
+                s = jnp.where(seen, s * scale_log2, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # a row with nothing seen yet
                 alpha = jnp.exp2(m - m_use)
