@@ -4,6 +4,7 @@ latent cache, gate, output projection) per call at a given context, and where it
     python -m bench.mla_layer_timing --M 1,9 --context 8192                     # on the H200
     python -m bench.mla_layer_timing --M 1,9 --context 8192 --profile /tmp/mla  # + a kernel-by-kernel table
     python -m bench.mla_layer_timing --M 1,9 --mla-kernel xla,pallas            # A/B of the attention kernel
+    python -m bench.mla_layer_timing --M 1,9 --mla-kernel pallas --mla-warpgroups 1,2   # ... of its two forms
     python -m bench.mla_layer_timing --tiny --M 1 --iters 1 --layers 1 --dense-kernel xla --context 64
                                                                                  # any host (smoke run)
 
@@ -71,13 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mla-kernel", default="xla",
                     help="comma list of the absorbed attention's kernels, one row each: xla, pallas (the "
                          "flash-decoding kernel over the latent cache; bf16 cache) (default xla)")
+    ap.add_argument("--mla-warpgroups", default=None,
+                    help="comma list of the Pallas kernel's forms, one row each: 1 (a program per column block), "
+                         "2 (both column blocks per program) (default: pallas_kernels.mla_decode.WARPGROUPS)")
     ap.add_argument("--layers", type=int, default=4,
                     help="weight copies (each with its own cache) cycled through, as a model's layers are "
                          "(default 4: a fp8 copy is 32 MB, so 4 keep each weight's reuse distance past the 60 MB L2)")
     ap.add_argument("--copy-bw", type=float, default=COPY_BW_H200,
                     help=f"bytes/s the bytes-per-call fraction is taken of (default {COPY_BW_H200:.3g}: "
                          "the H200's copy bandwidth, bench.common.COPY_BW_H200)")
-    add_layer_loop_args(ap, "trace one more loop per row into DIR/<kernel>-M<M> and print its kernels")
+    add_layer_loop_args(ap, "trace one more loop per row into DIR/<kernel>[-<N>wg]-M<M> and print its kernels")
     return ap
 
 
@@ -86,6 +90,10 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     ms = int_list(ap, a.M, "--M")
     attn_kernels = choice_list(ap, a.mla_kernel, "--mla-kernel", ("xla", "pallas"))
+    forms = [int(w) for w in choice_list(ap, a.mla_warpgroups, "--mla-warpgroups", ("1", "2"))] \
+        if a.mla_warpgroups is not None else [None]
+    if not forms:
+        ap.error("--mla-warpgroups needs at least one form")
     if not ms or min(ms) < 1 or max(ms) > 16 or a.iters < 1 or a.layers < 1 or not attn_kernels:
         ap.error("--M needs token counts in 1..16, --iters and --layers >= 1, --mla-kernel at least one kernel")
     if a.context < 1:
@@ -109,6 +117,7 @@ def main(argv=None) -> dict:
     from lingjax.config import preset
     from lingjax.model import dense, kernels as kernel_ctx
     from lingjax.model.mla import GatedMLA, check_mla_kernel
+    from pallas_kernels import mla_decode
     from lingjax.quant import quantize_model
 
     on_gpu = jax.default_backend() == "gpu"
@@ -150,8 +159,10 @@ def main(argv=None) -> dict:
     uses_pallas = a.dense_kernel == "pallas" or "pallas" in attn_kernels
     ctx = kernel_ctx.pallas_interpret if not on_gpu and uses_pallas else contextlib.nullcontext
     kw = {} if on_gpu else {"per_iter": 1, "repeats": 1}
-    rows = []
-    for kernel, M in ((k, m) for m in ms for k in attn_kernels):
+
+    def one_row(kernel, form, M) -> dict:
+        """Time (and with --profile, trace) the layer on `kernel` (and Pallas `form`) at M tokens."""
+        mla_decode.WARPGROUPS = default_form if form is None else form     # read when the layer is traced
         f = layer_fn(kernel)
         xs = [jax.random.normal(jax.random.PRNGKey(a.seed + 7 * M + i), (1, M, cfg.hidden_size),
                                 jnp.float32).astype(act) for i in range(a.layers)]
@@ -162,21 +173,30 @@ def main(argv=None) -> dict:
         net = t - overhead
         cache_bytes = (a.context + M) * (lat + rope) * jnp.dtype(act).itemsize
         nbytes = weight_bytes + cache_bytes
-        row = {"mla_kernel": kernel, "M": M, "layer_us": net * 1e6, "raw_us": t * 1e6, "loop_overhead_us": overhead * 1e6,
-               "bytes": nbytes, "cache_bytes": cache_bytes}
+        used = mla_decode.warpgroups_for(lat, rope, cache_len) if kernel == "pallas" else None   # the form it ran
+        row = {"mla_kernel": kernel, "warpgroups": used, "M": M, "layer_us": net * 1e6, "raw_us": t * 1e6,
+               "loop_overhead_us": overhead * 1e6, "bytes": nbytes, "cache_bytes": cache_bytes}
         if net > 0:
             row.update({"GBps": nbytes / net / 1e9, "pct_copy_bw": 100 * nbytes / net / a.copy_bw})
-        print(f"{kernel:6s} M={M:2d}: {row['layer_us']:7.1f} us per MLA layer call at context {a.context} "
+        label = kernel + (f"-{used}wg" if kernel == "pallas" else "")
+        print(f"{label:10s} M={M:2d}: {row['layer_us']:7.1f} us per MLA layer call at context {a.context} "
               f"({nbytes / 1e6:.1f} MB: {row.get('pct_copy_bw', float('nan')):.0f}% of {a.copy_bw / 1e12:.2f} TB/s; "
               f"loop overhead {row['loop_overhead_us']:.1f} us subtracted)"
               + ("" if on_gpu else "  [not a GPU: smoke run, not a timing]"), flush=True)
         if a.profile:
-            row["kernels"] = profile_loop(f, sets, a.iters, Path(a.profile) / f"{kernel}-M{M}", ctx, kw.get("per_iter", 8),
-                                          carry_last=True)
+            row["kernels"] = profile_loop(f, sets, a.iters, Path(a.profile) / f"{label}-M{M}", ctx,
+                                          kw.get("per_iter", 8), carry_last=True)
             print_table(row["kernels"])
-        rows.append(row)
+        return row
+
+    default_form = mla_decode.WARPGROUPS
+    variants = [(k, w) for k in attn_kernels for w in (forms if k == "pallas" else [None])]
+    try:
+        rows = [one_row(kernel, form, M) for M in ms for kernel, form in variants]
+    finally:
+        mla_decode.WARPGROUPS = default_form
     rec = {"bench": "mla_layer_timing", "dtype": a.dtype, "dense_kernel": a.dense_kernel,
-           "mla_kernels": attn_kernels, "layers": a.layers,
+           "mla_kernels": attn_kernels, "mla_warpgroups": forms, "layers": a.layers,
            "iters": a.iters, "context": a.context, "cache_len": cache_len,
            "preset": "ling3-tiny" if a.tiny else "ling3-flash", "weight_bytes": weight_bytes,
            "cache_alloc_bytes": cache_alloc_bytes, "copy_bw": a.copy_bw, "smoke": not on_gpu, "rows": rows}

@@ -31,17 +31,29 @@ Design
   not a multiple of the chunk reads its last chunk from S - 64 and masks the positions an earlier
   chunk covered.
 * Each program writes its normalised partial o = acc / l [64, cb] float32 and (column block 0)
-  lse = m + log2 l, only for real rows (R rounded up to 8; at T = 1, 32 of the tile's 64: the
-  partials are as many bytes as the cache read at the default splits); XLA combines the splits: o = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M).
-  Every row sees position 0, so M is finite; an empty split writes lse = -inf and o = 0.
+  lse = m + log2 l, only for real rows (R rounded up to 8; at T = 1, 32 of the tile's 64); XLA
+  combines the splits: o = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M). Every row sees
+  position 0, so M is finite; an empty split writes lse = -inf and o = 0.
+
+* ``warpgroups=2`` (FlashMLA's split; L = 2 x 256, Dr = 64): grid ``(B, R / 64, splits)``, both
+  column blocks in one program, so the scores are computed once and each cache chunk is read
+  once per row tile instead of once per (row tile, column block). Warpgroup 0 loads q, computes
+  the scores and the softmax, stores P (bf16, over the chunk's rope-key tile, which the scores
+  have just used) and alpha, signals ``p_ready``, and accumulates column block 0; warpgroup 1
+  waits for P, accumulates block 1 from it (P as an SMEM A operand), waits until warpgroup 0 is
+  past the chunk (``free0``) and refills its slot with the chunk after next; ``w1_done`` keeps
+  warpgroup 0 at most one chunk ahead (every barrier phase observed before the next). The two
+  float32 output tiles take the latent slots' SMEM once both warpgroups pass ``fin`` (a
+  RefUnion; SMEM is full to ~100 bytes). The same values as warpgroups=1, bit for bit in
+  interpret mode; twice the splits for the same program count (twice the partial bytes).
 
 Interpret mode (CPU tests) takes WGMMA operands only from SMEM: P goes through an SMEM tile there
 (`common.a_operand`); the register operand is checked by cross-lowering, then on the H200.
 
-Status (session 18): interpret-mode tests against the reference and a float64 oracle, and
-cross-lowering for CUDA at the Ling shape (B = 1, H = 32, L = 512, Dr = 64, T = 1 and 9, an
-8K-position cache); not yet compiled or timed on a GPU. The model uses it only when
-``lingjax.model.mla.DECODE_ATTENTION = "pallas"`` (off by default until measured).
+Status (session 18): interpret-mode tests (race detection) against the reference and a float64
+oracle, both forms, and cross-lowering for CUDA at the Ling shape (B = 1, H = 32, L = 512, Dr = 64,
+T = 1, 9 and 16, 8K-9K-position caches); not yet compiled or timed on a GPU. The model uses it only under
+``mla_kernel='pallas'`` (lingjax/model/mla.py; off by default until measured).
 """
 from __future__ import annotations
 
@@ -55,13 +67,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import a_operand, store, swizzled
 
-__all__ = ["BLOCK_ROWS", "MAX_T", "combine_splits", "mla_decode_attention_pallas", "pick_block_s",
-           "pick_splits"]
+__all__ = ["BLOCK_ROWS", "MAX_T", "WARPGROUPS", "combine_splits", "mla_decode_attention_pallas", "pick_block_s",
+           "pick_splits", "warpgroups_for"]
 
 BLOCK_ROWS = 64           # query rows per program (one WGMMA M)
 MAX_COLS = 256            # output columns per program (one WGMMA N)
 MAX_T = 16                # tokens per call: decode, a speculative verify block
 TARGET_PROGRAMS = 132     # the H200's SMs: the default split count aims at one program per SM
+# The default form: 1 = one warpgroup per (row tile, column block) program, 2 = both column blocks
+# in one program (a scores warpgroup passing P through SMEM to a second one). Not yet measured on
+# a GPU (session 18): bench.mla_layer_timing A/Bs it as a module setting.
+WARPGROUPS = 1
 _F32, _BF = jnp.float32, jnp.bfloat16
 _LOG2E = math.log2(math.e)
 
@@ -79,6 +95,13 @@ def pick_splits(B: int, row_tiles: int, col_blocks: int, chunks: int) -> int:
     return max(1, min(chunks, TARGET_PROGRAMS // max(1, B * row_tiles * col_blocks)))
 
 
+def warpgroups_for(L: int, Dr: int, S: int | None = None) -> int:
+    """`WARPGROUPS` where that form fits (2 needs L = 2 x 256, Dr = 64 and 64-position chunks), else 1:
+    what a caller passes explicitly, so that a traced function's cache key holds the form."""
+    fits = _col_blocks(L)[0] == 2 and Dr == BLOCK_ROWS and (S is None or S >= BLOCK_ROWS)
+    return WARPGROUPS if fits else 1
+
+
 def _col_blocks(L: int) -> tuple[int, int]:
     """(number of column blocks, their width cb <= MAX_COLS) for L latent columns."""
     n = -(-L // MAX_COLS)
@@ -88,12 +111,14 @@ def _col_blocks(L: int) -> tuple[int, int]:
 
 
 def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: int, scale: float, splits: int | None = None,
-                                block_s: int | None = None, interpret=False):
+                                block_s: int | None = None, warpgroups: int | None = None, interpret=False):
     """The absorbed attention of a decode / verify block over the latent cache; see the module
     docstring. q_lat [B, R, L], q_rope [B, R, Dr] (R = T * heads), latent [B, S, L], k_rope [B, S, Dr],
     all bf16; pos int32 scalar -> o [B, R, L] float32. ``splits``: context splits (default: `pick_splits`);
-    ``block_s``: positions per chunk (default: `pick_block_s`); ``interpret``: False (compile for the
-    GPU) or a ``plgpu.InterpretGPUParams`` (CPU simulation)."""
+    ``block_s``: positions per chunk (default: `pick_block_s`); ``warpgroups``: 1 (one program per
+    column block) or 2 (both column blocks in one program; needs L = 2 blocks and 64-position
+    chunks), default `WARPGROUPS`; ``interpret``: False (compile for the GPU) or a
+    ``plgpu.InterpretGPUParams`` (CPU simulation)."""
     B, R, L = q_lat.shape
     S = latent.shape[1]
     Dr = k_rope.shape[-1]
@@ -117,53 +142,115 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
     bs = pick_block_s(S) if block_s is None else block_s
     if bs not in (16, 32, 64) or bs > S:
         raise ValueError(f"block_s={bs} must be 16, 32 or 64 and <= S={S}")
+    wgs = WARPGROUPS if warpgroups is None else warpgroups
+    if wgs not in (1, 2) or (wgs == 2 and (nblk != 2 or bs != BLOCK_ROWS or Dr != bs)):
+        raise ValueError(f"warpgroups={wgs}: 1, or 2 for a latent of two column blocks (L={L} has {nblk}) "
+                         f"read in {BLOCK_ROWS}-position chunks (block_s={bs}) with a rope key as wide "
+                         f"(Dr={Dr}: P takes its SMEM tile)")
     row_tiles = -(-R // BLOCK_ROWS)
     Rp = row_tiles * BLOCK_ROWS
     Ro = -(-R // 8) * 8                 # partial rows written: R up to whole 32-byte TMA rows of lse
     last_rows = Ro - (row_tiles - 1) * BLOCK_ROWS
     chunks = -(-S // bs)
-    n_split = pick_splits(B, row_tiles, nblk, chunks) if splits is None else int(splits)
+    n_split = pick_splits(B, row_tiles, nblk // wgs, chunks) if splits is None else int(splits)
     if not 1 <= n_split <= chunks:
         raise ValueError(f"splits={n_split} must be in 1..{chunks} (the cache's {bs}-position chunks)")
     pos = jnp.asarray(pos, jnp.int32)
     pad = ((0, 0), (0, Rp - R), (0, 0))
     ql, qr = (q_lat, q_rope) if Rp == R else (jnp.pad(q_lat, pad), jnp.pad(q_rope, pad))
-    # the last position each row sees (pad rows: the last token's), and the block's end
-    limits = pos + jnp.minimum(jnp.arange(Rp, dtype=jnp.int32) // heads, T - 1)
-    end = (pos + T).reshape(1)
+    end = (pos + T).reshape(1)          # the block's end
     scale_log2 = float(scale) * _LOG2E
     row = plgpu.Layout.WGMMA.reduce(1)
     nbuf = nblk + 1                     # TMA copies per chunk: the latent column blocks, the rope key
 
-    def body(ql_g, qr_g, lat_g, kr_g, lim_g, end_g, o_g, lse_g):
-        b, r = lax.axis_index("b"), lax.axis_index("r")
-        j, sp = lax.axis_index("c"), lax.axis_index("s")
-        rows = pl.ds(r * BLOCK_ROWS, BLOCK_ROWS)
+    def _softmax_step(q_s, qr_s, lat_s, kr_s, slot, c, lim, m, l):
+        """Chunk c (in `slot`): its scores by WGMMA (q against every latent column block and the rope
+        key, the SMEM tiles transposed as B), masked to the positions each row sees and an earlier
+        chunk did not cover, and the online-softmax update in the log2 domain. lim [64] the rows'
+        last positions, m / l [64] the running max / sum -> (p [64, bs] float32, alpha [64], m, l)."""
+        def qk(s_ref):
+            for i in range(nblk):
+                plgpu.wgmma(s_ref, q_s.at[i], lat_s.at[slot, i].transpose((1, 0)))
+            plgpu.wgmma(s_ref, qr_s, kr_s.at[slot].transpose((1, 0)))
+            return s_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, bs), _F32))
+        start = jnp.minimum(c * bs, S - bs)
+        at = start + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, bs), 1, layout=plgpu.Layout.WGMMA)
+        seen = (at >= c * bs) & (at <= lax.broadcast_in_dim(lim, s.shape, [0]))
+        s = jnp.where(seen, s * scale_log2, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # a row with nothing seen yet
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+        return p, alpha, m_new, l * alpha + p.sum(axis=1)
+
+    def _init_carry():
+        """(acc [64, cb] zeros, m [64] -inf, l [64] zeros) in the WGMMA layouts."""
+        return (plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, cb), _F32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -jnp.inf, _F32), row),
+                plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), _F32), row))
+
+    def _lse(m, l):
+        """log2 of each row's softmax denominator (max included); -inf where nothing was seen."""
+        return jnp.where(l > 0.0, m + jnp.log(jnp.where(l > 0.0, l, 1.0)) * _LOG2E, -jnp.inf)
+
+    def _chunk_range(end_g, sp):
+        """Split sp's chunks [lo, hi): an even share of the ceil((pos + T) / bs) any row sees."""
         n_need = (end_g[0] + (bs - 1)) // bs
         per = (n_need + (n_split - 1)) // n_split
         lo = jnp.minimum(sp * per, n_need)
-        hi = jnp.minimum(lo + per, n_need)
+        return lo, jnp.minimum(lo + per, n_need)
 
-        def attend(q_s, qr_s, lat_s, kr_s, lim_s, qbar, bars, *p_s):
-            for i in range(nblk):
-                plgpu.copy_gmem_to_smem(ql_g.at[b, rows, pl.ds(i * cb, cb)], q_s.at[i], qbar.at[i])
-            plgpu.copy_gmem_to_smem(qr_g.at[b, rows], qr_s, qbar.at[nblk])
-            plgpu.copy_gmem_to_smem(lim_g.at[rows], lim_s, qbar.at[nblk + 1])
+    def _issue(lat_g, kr_g, b, lat_s, kr_s, bars, c, slot):
+        """TMA chunk c's latent column blocks and rope key into `slot` (one barrier per copy)."""
+        start = jnp.minimum(c * bs, S - bs)
+        for i in range(nblk):
+            plgpu.copy_gmem_to_smem(lat_g.at[b, pl.ds(start, bs), pl.ds(i * cb, cb)], lat_s.at[slot, i],
+                                    bars.at[slot * nbuf + i])
+        plgpu.copy_gmem_to_smem(kr_g.at[b, pl.ds(start, bs)], kr_s.at[slot], bars.at[slot * nbuf + nblk])
+
+    def _load_q(ql_g, qr_g, b, rows, q_s, qr_s, qbar):
+        """TMA the row tile's q (latent column blocks, rope part) and wait for it."""
+        for i in range(nblk):
+            plgpu.copy_gmem_to_smem(ql_g.at[b, rows, pl.ds(i * cb, cb)], q_s.at[i], qbar.at[i])
+        plgpu.copy_gmem_to_smem(qr_g.at[b, rows], qr_s, qbar.at[nblk])
+
+    def _wait_q(qbar):
+        for i in range(nblk + 1):
+            plgpu.barrier_wait(qbar.at[i])
+
+    def _row_limits(end_g, r):
+        """[64] the last position each row of tile r sees: pos + its token (pad rows: the last)."""
+        t = (r * BLOCK_ROWS + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0, layout=row)) // heads
+        return (end_g[0] - T) + jnp.minimum(t, T - 1)
+
+    def _rows_out(r, put):
+        """put(n) for the tile's real rows: 64, or the last tile's Ro - (row_tiles - 1) * 64."""
+        if last_rows == BLOCK_ROWS:
+            put(BLOCK_ROWS)
+        else:
+            pl.when(r < row_tiles - 1)(lambda: put(BLOCK_ROWS))
+            pl.when(r == row_tiles - 1)(lambda: put(last_rows))
+
+    def body(ql_g, qr_g, lat_g, kr_g, end_g, o_g, lse_g):
+        b, r = lax.axis_index("b"), lax.axis_index("r")
+        j, sp = lax.axis_index("c"), lax.axis_index("s")
+        rows = pl.ds(r * BLOCK_ROWS, BLOCK_ROWS)
+        lo, hi = _chunk_range(end_g, sp)
+
+        def attend(q_s, qr_s, lat_s, kr_s, qbar, bars, *p_s):
+            _load_q(ql_g, qr_g, b, rows, q_s, qr_s, qbar)
 
             def issue(c, slot):
-                start = jnp.minimum(c * bs, S - bs)
-                for i in range(nblk):
-                    plgpu.copy_gmem_to_smem(lat_g.at[b, pl.ds(start, bs), pl.ds(i * cb, cb)], lat_s.at[slot, i],
-                                            bars.at[slot * nbuf + i])
-                plgpu.copy_gmem_to_smem(kr_g.at[b, pl.ds(start, bs)], kr_s.at[slot], bars.at[slot * nbuf + nblk])
+                _issue(lat_g, kr_g, b, lat_s, kr_s, bars, c, slot)
 
             @pl.when(lo < hi)
             def _():
                 issue(lo, 0)
 
-            for i in range(nblk + 2):
-                plgpu.barrier_wait(qbar.at[i])
-            lim = plgpu.load(lim_s, layout=row)      # [64]: broadcast where used (a [64, bs] int32 tile
+            _wait_q(qbar)
+            lim = _row_limits(end_g, r)              # [64]: broadcast where used (a [64, bs] int32 tile
                                                      # live across the loop would hold 32 registers)
 
             def chunk(c, carry):
@@ -176,30 +263,13 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
                 def _():
                     issue(c + 1, 1 - slot)
 
-                def qk(s_ref):
-                    for i in range(nblk):
-                        plgpu.wgmma(s_ref, q_s.at[i], lat_s.at[slot, i].transpose((1, 0)))
-                    plgpu.wgmma(s_ref, qr_s, kr_s.at[slot].transpose((1, 0)))
-                    return s_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, bs), _F32))
-                start = jnp.minimum(c * bs, S - bs)
-                at = start + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, bs), 1, layout=plgpu.Layout.WGMMA)
-                seen = (at >= c * bs) & (at <= lax.broadcast_in_dim(lim, s.shape, [0]))
-                s = jnp.where(seen, s * scale_log2, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # a row with nothing seen yet
-                alpha = jnp.exp2(m - m_use)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-                l = l * alpha + p.sum(axis=1)
+                p, alpha, m, l = _softmax_step(q_s, qr_s, lat_s, kr_s, slot, c, lim, m, l)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                acc = _mma_add(acc, a_operand(p.astype(_BF), p_s[0] if p_s else None, interpret), lat_s.at[slot, j], interpret)
-                return acc, m_new, l
+                acc = _mma_add(acc, a_operand(p.astype(_BF), p_s[0] if p_s else None, interpret), lat_s.at[slot, j],
+                               interpret)
+                return acc, m, l
 
-            acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, cb), _F32), plgpu.Layout.WGMMA)
-            m0 = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -jnp.inf, _F32), row)
-            l0 = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), _F32), row)
-            return lax.fori_loop(lo, hi, chunk, (acc0, m0, l0))
+            return lax.fori_loop(lo, hi, chunk, _init_carry())
 
         acc, m, l = pl.run_scoped(
             attend,
@@ -207,20 +277,18 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
             plgpu.SMEM((BLOCK_ROWS, Dr), _BF, transforms=swizzled(Dr)),                # q, rope part
             plgpu.SMEM((2, nblk, bs, cb), _BF, transforms=swizzled(cb)),               # latent chunks
             plgpu.SMEM((2, bs, Dr), _BF, transforms=swizzled(Dr)),                     # rope key chunks
-            plgpu.SMEM((BLOCK_ROWS,), jnp.int32),                                      # row limits
-            plgpu.Barrier(num_barriers=nblk + 2),
+            plgpu.Barrier(num_barriers=nblk + 1),
             plgpu.Barrier(num_barriers=2 * nbuf),
             *([plgpu.SMEM((BLOCK_ROWS, bs), _BF, transforms=swizzled(bs))] if interpret else []),  # P
         )
 
         def emit(o_s, lse_s):        # reuses the SMEM of `attend`'s buffers (a later scope)
-            seen = l > 0.0
-            l_safe = jnp.where(seen, l, 1.0)
+            l_safe = jnp.where(l > 0.0, l, 1.0)
             store(o_s, acc / lax.broadcast_in_dim(l_safe, (BLOCK_ROWS, cb), [0]))
-            store(lse_s, jnp.where(seen, m + jnp.log(l_safe) * _LOG2E, -jnp.inf))
+            store(lse_s, _lse(m, l))
             plgpu.commit_smem()
 
-            def put(n):              # the tile's first n rows (the last tile holds Ro - (row_tiles - 1) * 64)
+            def put(n):              # the tile's first n rows
                 out_rows = pl.ds(r * BLOCK_ROWS, n)
                 plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, n)], o_g.at[b, sp, out_rows, pl.ds(j * cb, cb)])
 
@@ -228,25 +296,130 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
                 def _():
                     plgpu.copy_smem_to_gmem(lse_s.at[pl.ds(0, n)], lse_g.at[b, sp, out_rows])
 
-            if last_rows == BLOCK_ROWS:
-                put(BLOCK_ROWS)
-            else:
-                pl.when(r < row_tiles - 1)(lambda: put(BLOCK_ROWS))
-                pl.when(r == row_tiles - 1)(lambda: put(last_rows))
+            _rows_out(r, put)
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(emit, plgpu.SMEM((BLOCK_ROWS, cb), _F32), plgpu.SMEM((BLOCK_ROWS,), _F32))
 
+    def body_two(ql_g, qr_g, lat_g, kr_g, end_g, o_g, lse_g):
+        """warpgroups=2: program (b, r, s) holds both column blocks. Warpgroup 0 computes the
+        scores and the softmax, passes P and alpha through SMEM (p_ready) and accumulates block 0;
+        warpgroup 1 accumulates block 1 from that P, tells warpgroup 0 when P may be overwritten
+        (p_free), and, once warpgroup 0 is done with a chunk too (free0), refills its slot with the
+        chunk after next. The latent slots and the two float32 output tiles share SMEM (RefUnion):
+        the outputs are staged only after both warpgroups pass `fin`."""
+        b, r, sp = lax.axis_index("b"), lax.axis_index("r"), lax.axis_index("s")
+        wg = lax.axis_index("wg")
+        rows = pl.ds(r * BLOCK_ROWS, BLOCK_ROWS)
+        lo, hi = _chunk_range(end_g, sp)
+
+        def scoped(q_s, qr_s, kr_s, rv_s, union, qbar, bars, p_ready, free0, w1_done, fin, l_ready):
+            lat_s, o_s = union      # rv_s [2, 64]: chunk c's alpha in its slot's row; then l, lse
+
+            def issue(c, slot):
+                _issue(lat_g, kr_g, b, lat_s, kr_s, bars, c, slot)
+
+            def wait_chunk(slot):
+                for i in range(nbuf):
+                    plgpu.barrier_wait(bars.at[slot * nbuf + i])
+
+            def emit(acc, l):
+                l_safe = jnp.where(l > 0.0, l, 1.0)
+                store(o_s.at[wg], acc / lax.broadcast_in_dim(l_safe, (BLOCK_ROWS, cb), [0]))
+                plgpu.commit_smem()
+                _rows_out(r, lambda n: plgpu.copy_smem_to_gmem(      # the tile's first n rows
+                    o_s.at[wg, pl.ds(0, n)], o_g.at[b, sp, pl.ds(r * BLOCK_ROWS, n), pl.ds(wg * cb, cb)]))
+
+            @pl.when(wg == 0)
+            def _scores_warpgroup():
+                _load_q(ql_g, qr_g, b, rows, q_s, qr_s, qbar)
+                for k in range(2):
+                    pl.when(lo + k < hi)(lambda k=k: issue(lo + k, k))
+                _wait_q(qbar)
+                lim = _row_limits(end_g, r)
+
+                def chunk(c, carry):
+                    acc, m, l = carry
+                    slot = lax.rem(c - lo, jnp.int32(2))
+                    wait_chunk(slot)
+                    p, alpha, m, l = _softmax_step(q_s, qr_s, lat_s, kr_s, slot, c, lim, m, l)
+                    p16 = p.astype(_BF)
+                    p_s = kr_s.at[slot]       # P over the chunk's rope key, which the scores have used
+                    # at most one chunk ahead of warpgroup 1 (each signal below observed before the next)
+                    pl.when(c > lo)(lambda: plgpu.barrier_wait(w1_done.at[0]))
+                    store(p_s, p16)
+                    store(rv_s.at[slot], alpha)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(p_ready.at[0])
+                    acc = _mma_add(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_s if interpret else p16,
+                                   lat_s.at[slot, wg], interpret)      # block wg (0); a static index does not lower here
+                    plgpu.barrier_arrive(free0.at[0])
+                    return acc, m, l
+
+                acc, m, l = lax.fori_loop(lo, hi, chunk, _init_carry())
+                plgpu.barrier_arrive(fin.at[0])
+                plgpu.barrier_wait(fin.at[0])            # warpgroup 1 has read its last alpha
+                store(rv_s.at[0], l)
+                plgpu.barrier_arrive(l_ready.at[0])
+                emit(acc, l)
+                lse_s = rv_s.at[1]                     # slot 1's alpha row: its last reader passed `fin`
+                store(lse_s, _lse(m, l))
+                plgpu.commit_smem()
+                _rows_out(r, lambda n: plgpu.copy_smem_to_gmem(lse_s.at[pl.ds(0, n)],
+                                                               lse_g.at[b, sp, pl.ds(r * BLOCK_ROWS, n)]))
+                plgpu.wait_smem_to_gmem(0)
+
+            @pl.when(wg == 1)
+            def _second_warpgroup():
+                def chunk(c, acc):
+                    slot = lax.rem(c - lo, jnp.int32(2))
+                    wait_chunk(slot)
+                    plgpu.barrier_wait(p_ready.at[0])
+                    alpha = plgpu.load(rv_s.at[slot], layout=row)
+                    acc = _mma_add(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), kr_s.at[slot],
+                                   lat_s.at[slot, wg], interpret)      # block wg (1)
+                    plgpu.barrier_wait(free0.at[0])                             # warpgroup 0 is past chunk c
+                    pl.when(c + 1 < hi)(lambda: plgpu.barrier_arrive(w1_done.at[0]))
+                    pl.when(c + 2 < hi)(lambda: issue(c + 2, slot))
+                    return acc
+
+                acc = lax.fori_loop(lo, hi, chunk, _init_carry()[0])
+                plgpu.barrier_arrive(fin.at[0])
+                plgpu.barrier_wait(fin.at[0])
+                plgpu.barrier_wait(l_ready.at[0])
+                emit(acc, plgpu.load(rv_s.at[0], layout=row))
+                plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((nblk, BLOCK_ROWS, cb), _BF, transforms=swizzled(cb)),          # q, latent part
+            plgpu.SMEM((BLOCK_ROWS, Dr), _BF, transforms=swizzled(Dr)),                # q, rope part
+            plgpu.SMEM((2, bs, Dr), _BF, transforms=swizzled(Dr)),                     # rope key chunks, then P
+            plgpu.SMEM((2, BLOCK_ROWS), _F32),                                         # alpha by slot, then l
+            plgpu.RefUnion(plgpu.SMEM((2, nblk, bs, cb), _BF, transforms=swizzled(cb)),  # latent chunks
+                           plgpu.SMEM((2, BLOCK_ROWS, cb), _F32)),                     # output staging
+            plgpu.Barrier(num_barriers=nblk + 1),
+            plgpu.Barrier(num_barriers=2 * nbuf),
+            plgpu.Barrier(num_barriers=1),                                             # p_ready
+            plgpu.Barrier(num_barriers=1),                                             # free0
+            plgpu.Barrier(num_barriers=1),                                             # w1_done
+            plgpu.Barrier(num_arrivals=2, num_barriers=1),                             # fin
+            plgpu.Barrier(num_barriers=1),                                             # l_ready
+            collective_axes="wg",
+        )
+
+    threads = dict(num_threads=2, thread_name="wg") if wgs == 2 else {}
     kernel = plgpu.kernel(
-        body,
+        body_two if wgs == 2 else body,
         out_type=(jax.ShapeDtypeStruct((B, n_split, Ro, L), _F32),
                   jax.ShapeDtypeStruct((B, n_split, Ro), _F32)),
-        grid=(B, row_tiles, nblk, n_split),
-        grid_names=("b", "r", "c", "s"),
+        grid=(B, row_tiles, n_split) if wgs == 2 else (B, row_tiles, nblk, n_split),
+        grid_names=("b", "r", "s") if wgs == 2 else ("b", "r", "c", "s"),
         kernel_name="mla_decode_attention",    # the kernel's name in profiles
         interpret=interpret if interpret else None,
+        **threads,
     )
-    o_part, lse = kernel(ql, qr, latent, k_rope, limits, end)
+    o_part, lse = kernel(ql, qr, latent, k_rope, end)
     return combine_splits(o_part, lse)[:, :R]
 
 

@@ -11,14 +11,25 @@ def test_smoke_record(tmp_path):
     assert rec["bench"] == "mla_layer_timing" and rec["smoke"] and rec["preset"] == "ling3-tiny"
     assert rec["dtype"] == "fp8" and rec["context"] == 64 and rec["cache_len"] == mla_layer_timing.decoder_cache_len(64)
     assert rec["weight_bytes"] > 0 and rec["cache_alloc_bytes"] > 0
-    assert rec["mla_kernels"] == ["xla", "pallas"]
+    assert rec["mla_kernels"] == ["xla", "pallas"] and rec["mla_warpgroups"] == [None]
     assert [(r["mla_kernel"], r["M"]) for r in rec["rows"]] == [("xla", 1), ("pallas", 1), ("xla", 3), ("pallas", 3)]
-    for row in rec["rows"]:
-        assert row["layer_us"] > 0 and row["raw_us"] > row["loop_overhead_us"] > 0
-        assert row["cache_bytes"] == (64 + row["M"]) * (512 + 64) * 2
-        assert row["bytes"] == rec["weight_bytes"] + row["cache_bytes"]
-        assert row["GBps"] > 0 and row["pct_copy_bw"] > 0
-        assert "kernels" not in row
+    assert [r["warpgroups"] for r in rec["rows"]] == [None, 1, None, 1]
+
+
+def test_warpgroups_flag(tmp_path, monkeypatch):
+    """--mla-warpgroups: the Pallas rows run the form asked for (the ling3-tiny preset has Ling's
+    MLA widths, so both forms fit) and the module default comes back afterwards. Only form 1 runs
+    here: in interpret mode, inside this benchmark's loop on a 2-CPU host, the two-warpgroup kernel
+    waited forever on a barrier (session 18; not understood: called directly, or twice in a
+    fori_loop, it finishes, bit-identical to form 1; tests/test_pallas_mla_decode.py runs it so)."""
+    from pallas_kernels import mla_decode
+    monkeypatch.setattr(mla_decode, "WARPGROUPS", 2)
+    rec = mla_layer_timing.main(["--tiny", "--M", "1", "--iters", "1", "--layers", "1", "--dense-kernel", "xla",
+                                 "--mla-kernel", "pallas", "--mla-warpgroups", "1", "--context", "64",
+                                 "--out", str(tmp_path)])
+    assert rec["mla_warpgroups"] == [1] and [r["warpgroups"] for r in rec["rows"]] == [1]
+    assert mla_decode.WARPGROUPS == 2
+    assert mla_layer_timing.build_parser().parse_args(["--mla-warpgroups", "1,2"]).mla_warpgroups == "1,2"
 
 
 def test_profile_loop_with_a_carried_state(tmp_path):
@@ -54,6 +65,7 @@ def test_decoder_cache_len():
     (["--copy-bw", "0"], "--copy-bw"),
     (["--mla-kernel", "triton"], "--mla-kernel must be"), (["--mla-kernel", ""], "--mla-kernel at least"),
     (["--mla-kernel", "pallas", "--context", "100", "--cache-len", "1001"], "multiple of 8"),
+    (["--mla-warpgroups", "3"], "--mla-warpgroups must be"), (["--mla-warpgroups", ""], "at least one form"),
 ])
 def test_bad_flags(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:

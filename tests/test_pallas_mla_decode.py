@@ -19,7 +19,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from helpers import interpret_only, rel  # noqa: E402
 from lingjax.ops.mla import absorbed_attention  # noqa: E402
-from pallas_kernels.mla_decode import combine_splits, mla_decode_attention_pallas, pick_splits  # noqa: E402
+from pallas_kernels.mla_decode import (WARPGROUPS, combine_splits, mla_decode_attention_pallas, pick_splits,  # noqa: E402
+                                       warpgroups_for)
 
 BF16 = jnp.bfloat16
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
@@ -83,6 +84,23 @@ def test_interpret_matches_reference_and_float64(B, T, H, L, Dr, S, pos, splits)
     # measured on CPU: kernel 1.1-1.6e-3 from float64, the XLA reference 1.4-1.7e-3 (both round P to bf16)
     assert rel(o, f64) <= 2.5e-3, rel(o, f64)
     assert rel(o, ref) <= 4e-3, rel(o, ref)
+
+
+@interpret_only
+@pytest.mark.parametrize("B,T,H,S,pos,splits", [(1, 9, 32, 320, 250, 4), (1, 1, 32, 256, 10, 4),
+                                                (2, 16, 4, 136, 100, 3), (1, 2, 32, 1024, 1000, 2)])
+def test_two_warpgroups_equal_one(B, T, H, S, pos, splits):
+    """warpgroups=2 (one program for both column blocks, P passed through SMEM) computes the same
+    values in the same order: bit for bit the one-warpgroup form (empty splits, several row tiles,
+    8 chunks per program in the last case)."""
+    args = _inputs(B, T, H, 512, 64, S, seed=T + S)
+    one, two = (_run(args, pos, H, _scale(512, 64), splits=splits, warpgroups=w) for w in (1, 2))
+    np.testing.assert_array_equal(two, one)
+
+
+def test_warpgroups_for():
+    assert warpgroups_for(512, 64, 9280) == WARPGROUPS
+    assert warpgroups_for(32, 16, 64) == warpgroups_for(512, 64, 32) == 1      # tiny widths; 32-position chunks
 
 
 @interpret_only
@@ -156,26 +174,36 @@ def test_rejects_bad_inputs():
         run(*args, block_s=48)
     with pytest.raises(ValueError, match="multiple of 16"):
         run(*_inputs(1, 1, 2, 32, 8, 40))
+    with pytest.raises(ValueError, match="warpgroups=2"):
+        run(*args, warpgroups=2)                  # one 32-wide column block
+    with pytest.raises(ValueError, match="warpgroups=3"):
+        run(*_inputs(1, 1, 2, 512, 64, 64), warpgroups=3)
 
 
 # Cross-lowering runs the real Mosaic GPU lowering (layout inference, MLIR verification, the SMEM
 # budget) on this CPU host; registers, spills and speed are only checked on the H200.
-@pytest.mark.parametrize("T,S,H,L,Dr", [(1, 9280, 32, 512, 64), (9, 9224, 32, 512, 64), (16, 8192, 32, 512, 64),
-                                        (3, 64, 2, 32, 16)], ids=["ling-decode", "ling-verify", "ling-16", "tiny"])
-def test_cross_lowers_for_cuda(T, S, H, L, Dr):
-    """The Ling shape (decode, verify, T = 16) and the tiny model's widths (32-wide TMA rows)."""
+@pytest.mark.parametrize("T,S,H,L,Dr,wgs", [(1, 9280, 32, 512, 64, 1), (9, 9224, 32, 512, 64, 1),
+                                            (16, 8192, 32, 512, 64, 1), (3, 64, 2, 32, 16, 1),
+                                            (1, 9280, 32, 512, 64, 2), (9, 9224, 32, 512, 64, 2),
+                                            (16, 8192, 32, 512, 64, 2)],
+                         ids=["ling-decode", "ling-verify", "ling-16", "tiny", "ling-decode-2wg", "ling-verify-2wg",
+                              "ling-16-2wg"])
+def test_cross_lowers_for_cuda(T, S, H, L, Dr, wgs):
+    """The Ling shape (decode, verify, T = 16; both forms: the two-warpgroup one fills SMEM to
+    ~100 bytes of the limit) and the tiny model's widths (32-wide TMA rows)."""
     shapes = [jax.ShapeDtypeStruct(sh, BF16) for sh in ((1, T * H, L), (1, T * H, Dr), (1, S, L), (1, S, Dr))]
-    fn = jax.jit(lambda *a: mla_decode_attention_pallas(*a, heads=H, scale=0.07))
+    fn = jax.jit(lambda *a: mla_decode_attention_pallas(*a, heads=H, scale=0.07, warpgroups=wgs))
     shapes.append(jax.ShapeDtypeStruct((), jnp.int32))
     assert "mosaic_gpu" in fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
 @gpu_only
+@pytest.mark.parametrize("wgs", [1, 2])
 @pytest.mark.parametrize("T,pos", [(1, 8191), (9, 8200), (16, 100)])
-def test_gpu_matches_reference(T, pos):
+def test_gpu_matches_reference(T, pos, wgs):
     args = _inputs(1, T, LING["H"], LING["L"], LING["Dr"], 9280, seed=T)
     scale = _scale(LING["L"], LING["Dr"])
-    o = _run(args, pos, LING["H"], scale, interpret=False)
+    o = _run(args, pos, LING["H"], scale, interpret=False, warpgroups=wgs)
     ref, f64 = _references(args, pos, LING["H"], scale)
     assert rel(o, f64) <= 2.5e-3 and rel(o, ref) <= 4e-3, (rel(o, f64), rel(o, ref))

@@ -194,9 +194,11 @@ class GatedMLA(nnx.Module):
         kv_b = self.kv_b[...]
         q_lat = jnp.einsum("bthn,lhn->bthl", q_nope.astype(acc), kv_b[..., :nope].astype(acc))
         rows = lambda a: a.astype(jnp.bfloat16).reshape(b, t * h, -1)      # noqa: E731  [B, T*H, .], t-major
+        _, s_len, lat = cache.latent.shape
+        wgs = mla_decode.warpgroups_for(lat, cache.k_rope.shape[-1], s_len)   # explicit: part of the trace key
         o_lat = kernels.shared_call(mla_decode.mla_decode_attention_pallas, rows(q_lat), rows(q_rope), cache.latent,
                                     cache.k_rope, pos, heads=h, scale=float(self.cfg.attention_scale),
-                                    interpret=kernels.interpret_arg("mla_kernel"))
+                                    warpgroups=wgs, interpret=kernels.interpret_arg("mla_kernel"))
         return jnp.einsum("bthl,lhv->bthv", o_lat.reshape(b, t, h, -1), kv_b[..., nope:].astype(acc))
 
 
