@@ -302,12 +302,12 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
         pl.run_scoped(emit, plgpu.SMEM((BLOCK_ROWS, cb), _F32), plgpu.SMEM((BLOCK_ROWS,), _F32))
 
     def body_two(ql_g, qr_g, lat_g, kr_g, end_g, o_g, lse_g):
-        """warpgroups=2: program (b, r, s) holds both column blocks. Warpgroup 0 computes the
-        scores and the softmax, passes P and alpha through SMEM (p_ready) and accumulates block 0;
-        warpgroup 1 accumulates block 1 from that P, tells warpgroup 0 when P may be overwritten
-        (p_free), and, once warpgroup 0 is done with a chunk too (free0), refills its slot with the
-        chunk after next. The latent slots and the two float32 output tiles share SMEM (RefUnion):
-        the outputs are staged only after both warpgroups pass `fin`."""
+        """warpgroups=2 (module docstring): program (b, r, s) holds both column blocks. Per chunk,
+        warpgroup 0: scores, softmax, P and alpha to SMEM, `p_ready`, block 0's P . latent, `free0`;
+        warpgroup 1: waits `p_ready`, block 1's P . latent, waits `free0`, `w1_done` (warpgroup 0
+        waits for it before its next `p_ready`, so no barrier completes a phase twice unobserved),
+        refills the slot with the chunk after next. Each P / alpha buffer is reused two chunks later,
+        after that refill. Then both pass `fin`; warpgroup 0 hands l over (`l_ready`)."""
         b, r, sp = lax.axis_index("b"), lax.axis_index("r"), lax.axis_index("s")
         wg = lax.axis_index("wg")
         rows = pl.ds(r * BLOCK_ROWS, BLOCK_ROWS)
