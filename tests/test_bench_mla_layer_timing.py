@@ -20,8 +20,9 @@ def test_warpgroups_flag(tmp_path, monkeypatch):
     """--mla-warpgroups: the Pallas rows run the form asked for (the ling3-tiny preset has Ling's
     MLA widths, so both forms fit) and the module default comes back afterwards. Only form 1 runs
     here: in interpret mode, inside this benchmark's loop on a 2-CPU host, the two-warpgroup kernel
-    waited forever on a barrier (session 18; not understood: called directly, or twice in a
-    fori_loop, it finishes, bit-identical to form 1; tests/test_pallas_mla_decode.py runs it so)."""
+    waited forever on a barrier (session 18; docs/PERFORMANCE.md: a loop of layer calls hangs, one
+    call or a loop of bare kernel calls finishes, bit-identical to form 1;
+    tests/test_pallas_mla_decode.py runs it so)."""
     from pallas_kernels import mla_decode
     monkeypatch.setattr(mla_decode, "WARPGROUPS", 2)
     rec = mla_layer_timing.main(["--tiny", "--M", "1", "--iters", "1", "--layers", "1", "--dense-kernel", "xla",
