@@ -185,11 +185,18 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
         p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
         return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
+    def _zero_acc():
+        """acc [64, cb] float32 zeros in the WGMMA layout."""
+        return plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, cb), _F32), plgpu.Layout.WGMMA)
+
     def _init_carry():
         """(acc [64, cb] zeros, m [64] -inf, l [64] zeros) in the WGMMA layouts."""
-        return (plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, cb), _F32), plgpu.Layout.WGMMA),
-                plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -jnp.inf, _F32), row),
+        return (_zero_acc(), plgpu.layout_cast(jnp.full((BLOCK_ROWS,), -jnp.inf, _F32), row),
                 plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), _F32), row))
+
+    def _normalised(acc, l):
+        """acc / l per row (rows that saw nothing: acc is 0, l is 0 -> 0)."""
+        return acc / lax.broadcast_in_dim(jnp.where(l > 0.0, l, 1.0), acc.shape, [0])
 
     def _lse(m, l):
         """log2 of each row's softmax denominator (max included); -inf where nothing was seen."""
@@ -283,8 +290,7 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
         )
 
         def emit(o_s, lse_s):        # reuses the SMEM of `attend`'s buffers (a later scope)
-            l_safe = jnp.where(l > 0.0, l, 1.0)
-            store(o_s, acc / lax.broadcast_in_dim(l_safe, (BLOCK_ROWS, cb), [0]))
+            store(o_s, _normalised(acc, l))
             store(lse_s, _lse(m, l))
             plgpu.commit_smem()
 
@@ -324,8 +330,7 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
                     plgpu.barrier_wait(bars.at[slot * nbuf + i])
 
             def emit(acc, l):
-                l_safe = jnp.where(l > 0.0, l, 1.0)
-                store(o_s.at[wg], acc / lax.broadcast_in_dim(l_safe, (BLOCK_ROWS, cb), [0]))
+                store(o_s.at[wg], _normalised(acc, l))
                 plgpu.commit_smem()
                 _rows_out(r, lambda n: plgpu.copy_smem_to_gmem(      # the tile's first n rows
                     o_s.at[wg, pl.ds(0, n)], o_g.at[b, sp, pl.ds(r * BLOCK_ROWS, n), pl.ds(wg * cb, cb)]))
@@ -383,7 +388,7 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
                     pl.when(c + 2 < hi)(lambda: issue(c + 2, slot))
                     return acc
 
-                acc = lax.fori_loop(lo, hi, chunk, _init_carry()[0])
+                acc = lax.fori_loop(lo, hi, chunk, _zero_acc())
                 plgpu.barrier_arrive(fin.at[0])
                 plgpu.barrier_wait(fin.at[0])
                 plgpu.barrier_wait(l_ready.at[0])
