@@ -195,11 +195,13 @@ def test_verify_and_commit_match():
 
 
 def test_state_in_place_gives_the_same_run(monkeypatch):
-    """kda.STATE_IN_PLACE (the decode step and the commit update the state through a jax.new_ref):
-    the Pallas run's decode, verify and post-commit logits and committed states, bit for bit."""
+    """kda.STATE_IN_PLACE on (the decode step and the commit update the state through a jax.new_ref)
+    and off (a separate state output): the Pallas run's decode, verify and post-commit logits and
+    committed states, bit for bit."""
     from lingjax.model import kda
-    _, p = runs()
-    monkeypatch.setattr(kda, "STATE_IN_PLACE", True)
+    _, p = runs()                                   # the default (on)
+    assert kda.STATE_IN_PLACE
+    monkeypatch.setattr(kda, "STATE_IN_PLACE", False)
     q = _run_model(models()[1])
     for key in ("decode", "verify", "after"):
         np.testing.assert_array_equal(q[key], p[key])

@@ -77,11 +77,18 @@ class KDAPendingFused:
 # heads dim of the fused step's array arguments: proj, window, conv_w, A_log, dt_bias, beta, state
 _STEP_HEAD_AXES = (3, 3, 2, 0, 0, 2, 1)
 # The fused decode step and the commit update the float32 state in place (a jax.new_ref operand the
-# kernel overwrites: `kda_fused_step_pallas(state_in_place=True)`) instead of writing a new array.
-# Opt-in and not yet measured on a GPU (session 17): the aim is the full-depth DSpark profile's 71
-# device-to-device copies per step (116 us) that follow the commits. The same values either way. A
-# trace-time setting for A/B runs; off by default.
-STATE_IN_PLACE = False
+# kernel overwrites: `kda_fused_step_pallas(state_in_place=True)`) instead of writing a new array;
+# the same values either way. H200, full depth fp8 with every kernel (session 19, run 72): the
+# commit's device-to-device copies 71 -> 36 per DSpark step (116 -> 35 us), plain decode 4.237 ->
+# 4.172 ms/step, DSpark 8.823 -> 8.791. On by default; a trace-time setting for A/B runs. Not
+# used under a device mesh (the kernels under shard_map keep a separate state output: the in-place
+# form has not run on several GPUs).
+STATE_IN_PLACE = True
+
+
+def _state_in_place() -> bool:
+    """STATE_IN_PLACE, off under a device mesh (see its comment)."""
+    return bool(STATE_IN_PLACE) and kernels.current_mesh() is None
 
 
 def _fused_decode(*args, **settings):
@@ -230,7 +237,7 @@ class KDA(nnx.Module):
         if valid_len is not None:          # padded tokens become identity updates
             args, head_axes = args + (jnp.asarray(valid_len, jnp.int32),), head_axes + (None,)
         return _pallas(_fused_decode, *args, head_axes=head_axes, out_head_axes=((4, 2), (4, 1)),
-                       state_in_place=bool(STATE_IN_PLACE), **settings)
+                       state_in_place=_state_in_place(), **settings)
 
     def _prefill_kernel(self, t: int, pending: bool, dtype) -> bool:
         """Whether a forward of t tokens runs the chunked prefill kernel (module docstring)."""
@@ -265,7 +272,7 @@ def commit_prefix(p: KDAPending | KDAPendingFused, n) -> KDAState:
         s0 = widen_state(p.start.state, p.A_log.dtype)     # A_log is in the accumulation dtype
         s = _pallas(_fused_commit, p.proj, p.start.conv, p.conv_w, p.A_log, p.dt_bias, p.beta, s0,
                     jnp.asarray(n, jnp.int32), head_axes=_STEP_HEAD_AXES + (None,), out_head_axes=(4, 1),
-                    safe_gate=p.safe_gate, lower_bound=p.lower_bound, state_in_place=bool(STATE_IN_PLACE))
+                    safe_gate=p.safe_gate, lower_bound=p.lower_bound, state_in_place=_state_in_place())
         conv_in = jnp.concatenate([p.start.conv, p.proj[:, :, :3]], axis=1)     # as in KDA.__call__
     else:
         s0 = widen_state(p.start.state, p.k.dtype)     # k is in the accumulation dtype
