@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from lingjax import xla_env
 
-SWITCH_NAMES = ("kda", "moe", "dense")
+SWITCH_NAMES = ("kda", "moe", "dense", "mla")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
                     help="weights: bf16, or fp8 = block-fp8 weights with bf16 activations")
     ap.add_argument("--kernels", default="kda,moe,dense",
-                    help="comma list of the switches set to 'pallas' in the kernel build: kda, moe, dense")
+                    help="comma list of the switches set to 'pallas' in the kernel build: kda, moe, dense, mla "
+                         "(default kda,moe,dense)")
     ap.add_argument("--spec", default="none,dspark", help="comma list of none, mtp, dspark (greedy output compared)")
     ap.add_argument("--block-size", type=int, default=8, help="drafts per speculative step")
     ap.add_argument("--input-len", type=int, default=512, help="prompt tokens (random ids)")
@@ -108,12 +109,13 @@ def main(argv=None) -> dict:
     from lingjax.config import LingConfig, preset
     from lingjax.model.dense import set_dense_kernel
     from lingjax.model.kda import set_kda_kernel
+    from lingjax.model.mla import set_mla_kernel
     from lingjax.model.kernels import pallas_interpret
     from lingjax.model.ling import LingModel
     from lingjax.model.mlp import set_moe_kernel
     from lingjax.quant import quantize_model
     from lingjax.sampling import SamplingArrays, SamplingParams
-    from lingjax.spec_decode import Decoder, SpecConfig
+    from lingjax.spec_decode import CACHE_ALIGN, Decoder, SpecConfig
 
     if a.tiny:   # the MoE kernel's tiles need expert widths that are multiples of 128 (tiny: 32)
         cfg = LingConfig.from_json(TINY_CONFIG).replace(moe_intermediate_size=128, num_hidden_layers=a.layers)
@@ -160,6 +162,7 @@ def main(argv=None) -> dict:
         set_kda_kernel(target, value if "kda" in kernels else "xla")
         set_moe_kernel(target, value if "moe" in kernels else "xla")
         set_dense_kernel(target, value if "dense" in kernels else "xla")
+        set_mla_kernel(target, value if "mla" in kernels else "xla")
 
     def lower_forwards():
         """The lowered forwards of the model as it is switched now: prefill over the prompt, then a
@@ -169,7 +172,7 @@ def main(argv=None) -> dict:
         @jax.jit
         def run(params, prompt, block_toks):
             model = nnx.merge(graph, params)
-            cache = model.init_cache(1, a.input_len + 16)
+            cache = model.init_cache(1, -(-(a.input_len + 16) // CACHE_ALIGN) * CACHE_ALIGN)   # the MLA kernel's TMA: S % 8
             pre = model(prompt, cache)
             ver = model(block_toks, pre.cache, pending=True)
             dec = model(block_toks[:, :1], pre.cache)

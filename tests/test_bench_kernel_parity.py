@@ -8,7 +8,8 @@ from bench import kernel_parity
 
 def test_kernel_parity_tiny_interpret(tmp_path, capsys):
     rec = kernel_parity.main(["--tiny", "--interpret", "--layers", "4", "--input-len", "24", "--output-len", "6",
-                              "--block-size", "3", "--spec", "mtp", "--out", str(tmp_path)])
+                              "--block-size", "3", "--spec", "mtp", "--kernels", "kda,moe,dense,mla",
+                              "--out", str(tmp_path)])
     assert rec["failures"] == [] and set(rec["greedy"]) == {"none", "mtp"}       # plain added as reference
     assert rec["greedy"]["mtp"]["vs_plain_under_kernels"]["identical"] and rec["greedy"]["none"]["tokens"] == 6
     assert rec["xla_self"]["greedy_vs_sequence_argmax_differences"] == 0          # the row indexing lines up
@@ -16,7 +17,7 @@ def test_kernel_parity_tiny_interpret(tmp_path, capsys):
     for name, r in rec["forward"].items():     # the kernels ran (bf16 rounding differs) and stay close
         assert 0 < r["median_position_rel_error"] < 0.05, (name, r)
     saved = json.loads(open(rec["result_path"]).read())
-    assert saved["kernels"] == ["kda", "moe", "dense"] and "env" in saved
+    assert saved["kernels"] == ["kda", "moe", "dense", "mla"] and "env" in saved
     assert "== kernel parity" in capsys.readouterr().out
 
 
