@@ -189,6 +189,8 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
         a = jnp.exp(alog_g[h])
         n_valid = n_g[0]
+        # a commit (no o rows to write) stops after its n tokens: the rest are identity updates
+        steps = T if (write_o or n is None) else n_valid
         for i in range(len(srcs) - 1):
             plgpu.barrier_wait(bars.at[i])
 
@@ -220,7 +222,7 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             vb_s[t] = v * bt
             return carry
 
-        lax.fori_loop(0, T, prep, jnp.int32(0))
+        lax.fori_loop(0, steps, prep, jnp.int32(0))
         plgpu.commit_smem()                           # the rows above are read in other layouts below
         plgpu.barrier_wait(bars.at[len(srcs) - 1])
 
@@ -235,7 +237,7 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
                 o_s[t] = jnp.sum(S * plgpu.load(q_s.at[t], layout=row)[:, None], axis=0)
             return S
 
-        S = lax.fori_loop(0, T, step, S)
+        S = lax.fori_loop(0, steps, step, S)
         if write_state:
             st_s[...] = S
         plgpu.commit_smem()
