@@ -12,8 +12,7 @@ SWITCHES = (
     ("dense_kernel", "dense projections and lm_head of decode / verify calls (<= 16 tokens): XLA, or the "
                      "Pallas skinny GEMM (bf16 or fp8 weights)", False),
     ("mla_kernel", "absorbed MLA attention of decode / verify calls (<= 16 tokens) over the latent cache: "
-                   "XLA, or the Pallas flash-decoding kernel (bf16 model, no fp8_mla_cache; new, not yet "
-                   "measured on a GPU)", False),
+                   "XLA, or the Pallas flash-decoding kernel (bf16 latent cache: no fp8_mla_cache)", False),
 )
 
 

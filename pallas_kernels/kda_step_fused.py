@@ -56,9 +56,13 @@ What stays in XLA around it (lingjax/model/kda.py): the projection GEMMs, beta =
 the conv window update (a slice of window ++ proj), the gated output RMSNorm (it needs the whole
 head's V columns, which four programs share).
 
-Status (H200, jax 0.11.2, session 11; docs/PERFORMANCE.md): GPU tests pass (relative RMSE vs
+* A commit (``write_o=False`` with ``n``) runs both loops over its n accepted tokens only: the
+  rest would be identity updates (session 19: 12.6 -> 8.4 us per commit call in the full-depth
+  DSpark profile at an accept length of 5.28, the step 8.726 -> 8.621 ms).
+
+Status (H200, jax 0.11.2, sessions 11 and 19; docs/PERFORMANCE.md): GPU tests pass (relative RMSE vs
 float64 <= 1e-5; ptxas 109-116 registers, no spills); in the full-depth fp8 model a decode call
-takes 5.1 us, a verify call (T = 9) 15.5 us, a commit 12.7 us. On CPU (CI): interpret mode with
+takes 5.1 us, a verify call (T = 9) 15.5 us, a commit 8.4 us. On CPU (CI): interpret mode with
 race detection against the reference, and cross-lowering for CUDA at the Ling shape.
 """
 
@@ -108,7 +112,7 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
                           block_v=None, state_in_place=False, interpret=False):
     """Conv + gate + norms + KDA recurrence over T = 1..16 tokens; see the module docstring.
 
-    ``state_in_place`` (with write_state; opt-in, session 17, not yet measured on a GPU): the
+    ``state_in_place`` (with write_state; the model's default since session 19, lingjax.model.kda): the
     float32 start state goes in as a ``jax.new_ref`` that each program overwrites with its final
     tile (it has read that tile first), so the kernel's state output aliases its state operand
     (the mosaic_gpu call's output_operand_aliases) instead of being a fresh buffer that a decode
