@@ -108,7 +108,7 @@ def grouped_top_k_by_rank(biased, n_group: int, topk_group: int, top_k: int):
 
 def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int,
           norm_topk_prob: bool, routed_scaling_factor: float, expert_keep: float | None = None,
-          bf16_logits: bool = False, selection: str | None = None):
+          bf16_logits: bool = False, selection: str | None = None, select=None):
     """Group-limited top-k routing (published BailingMoeV3 semantics).
 
     x [N, D]; w_router [D, E]; expert_bias [E]. Returns (idx [N, k] int32, weight [N, k] acc).
@@ -121,7 +121,9 @@ def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int
     expert_keep=X keeps the heaviest experts carrying X of s before normalising (`keep_top_share`).
     selection (SELECTIONS, the same result): "sort" every top-k through lax.top_k, "rank" through
     `top_k_by_rank`, "grouped-rank" `grouped_top_k_by_rank`; None: "grouped-rank" for at most
-    SORT_FREE_MAX_ROWS tokens, else "sort".
+    SORT_FREE_MAX_ROWS tokens, else "sort". select (optional): a function biased [N, E] float32 ->
+    idx [N, top_k] int32 that computes the same selection (the model's Pallas kernel,
+    pallas_kernels/moe_route.py); it replaces `selection`.
     """
     acc = acc_dtype(x.dtype)
     if selection is None:
@@ -134,7 +136,9 @@ def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int
         s = jax.nn.sigmoid(router_logits(x, w_router, acc))
     biased = s + expert_bias.astype(acc)
     n, e = biased.shape
-    if selection == "grouped-rank":
+    if select is not None:
+        idx = select(biased)
+    elif selection == "grouped-rank":
         idx = grouped_top_k_by_rank(biased, n_group, topk_group, top_k)
     else:
         top = top_k_by_rank if selection == "rank" else jax.lax.top_k          # same result
