@@ -93,18 +93,6 @@ def route_select_pallas(biased, *, n_group: int, topk_group: int, top_k: int, in
     row = plgpu.Layout.WGMMA.reduce(1)            # [64] vectors broadcast along a tile's columns
     col = plgpu.Layout.WGMMA.reduce(0)            # [64] vectors broadcast along a tile's rows
 
-    # Tiles: a row-layout vector v as R(v) [64, 64] (v_i along row i) and a column-layout one as
-    # C(v) (v_j down column j), both added to a zero tile Z: Mosaic GPU's layout inference handles
-    # float broadcasts against a full tile, not two broadcast booleans combined (e.g. `a[None, :] ==
-    # 1 & b[:, None] < 2`). Adding 0.0 changes nothing here (no score is -0.0: module docstring).
-    def ranks(Z, vi, vj, ti, tj):
-        """rank_i = #{j: v_j > v_i, or v_j == v_i and t_j < t_i} for row-layout vi, ti and
-        column-layout vj, tj (the same entries): a row-layout float32 vector."""
-        R = lambda v: v[:, None] + Z      # noqa: E731
-        C = lambda v: v[None, :] + Z      # noqa: E731
-        beats = (C(vj) > R(vi)) | ((C(vj) == R(vi)) & (C(tj) < R(ti)))
-        return jnp.sum(jnp.where(beats, _ONE, _ZERO), axis=1)
-
     # Each SMEM ref is loaded in one layout only (Mosaic GPU's layout inference finds no solution
     # for a ref loaded as both rows and columns), so the vectors ranked against themselves have a
     # row copy (…r_s) and a column copy (…c_s).
@@ -116,15 +104,25 @@ def route_select_pallas(biased, *, n_group: int, topk_group: int, top_k: int, in
             plgpu.barrier_wait(bars.at[i])
         ii = plgpu.load(ir_s, layout=row)
         jj = plgpu.load(ic_s, layout=col)
+        # Tiles: a row-layout vector v as R(v) [64, 64] (v_i along row i), a column-layout one as
+        # C(v) (v_j down column j), both added to a zero tile Z: Mosaic GPU's layout inference
+        # handles float broadcasts against a full tile, not ops on a broadcast [1, 64] / [64, 1]
+        # value (e.g. `a[None, :] == 1 & b[:, None] < 2`). Adding 0.0 changes no score (none is -0.0).
         Z = (jj[None, :] + ii[:, None]) * 0.0                 # [64, 64] zeros in the WGMMA layout
         R = lambda v: v[:, None] + Z      # noqa: E731
         C = lambda v: v[None, :] + Z      # noqa: E731
+
+        def ranks(vi, vj, ti, tj):
+            """rank_i = #{j: v_j > v_i, or v_j == v_i and t_j < t_i} for row-layout vi, ti and
+            column-layout vj, tj (the same entries): a row-layout float32 vector."""
+            beats = (C(vj) > R(vi)) | ((C(vj) == R(vi)) & (C(tj) < R(ti)))
+            return jnp.sum(jnp.where(beats, _ONE, _ZERO), axis=1)
 
         # 1. each group's ranks; its top-2 sum into column g
         gsum = None
         for g in range(G):
             xi = plgpu.load(xr_s.at[g], layout=row)
-            rank = ranks(Z, xi, plgpu.load(xc_s.at[g], layout=col), ii, jj)
+            rank = ranks(xi, plgpu.load(xc_s.at[g], layout=col), ii, jj)
             rank_s[g] = rank
             term = jnp.where((C(jj) == float(g)) & (R(rank) < 2.0), R(xi), 0.0)
             gsum = term if gsum is None else gsum + term
@@ -133,7 +131,7 @@ def route_select_pallas(biased, *, n_group: int, topk_group: int, top_k: int, in
         vc_s[0] = scores
 
         # 2. the groups' ranks (a group row per entry; rows >= G are padding, never read)
-        grank = ranks(Z, plgpu.load(vr_s.at[0], layout=row), plgpu.load(vc_s.at[0], layout=col), ii, jj)
+        grank = ranks(plgpu.load(vr_s.at[0], layout=row), plgpu.load(vc_s.at[0], layout=col), ii, jj)
         keep_s[...] = jnp.where(grank < float(topk_group), _ONE, _ZERO)
 
         # 3. each group's top kk into slots g * kk + rank, with id and kept flag
@@ -151,7 +149,7 @@ def route_select_pallas(biased, *, n_group: int, topk_group: int, top_k: int, in
 
         # 4. the candidates' ranks (ties to the lower expert id) and the pick by rank
         di = plgpu.load(vr_s.at[2], layout=row)
-        crank = ranks(Z, plgpu.load(vr_s.at[1], layout=row), plgpu.load(vc_s.at[1], layout=col), di,
+        crank = ranks(plgpu.load(vr_s.at[1], layout=row), plgpu.load(vc_s.at[1], layout=col), di,
                       plgpu.load(vc_s.at[2], layout=col))
         pick = jnp.sum(jnp.where(C(jj) == R(crank), R(di), 0.0), axis=0)
         out_s[...] = pick.astype(jnp.int32)
