@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from helpers import interpret_only
+from helpers import assert_no_race_flagged, interpret_only
 from lingjax.ops.moe import grouped_top_k_by_rank
 from pallas_kernels.moe_route import check_route_shape, route_select_pallas
 
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
-RACES_RAISE = "on_race" in getattr(plgpu.InterpretGPUParams, "__dataclass_fields__", {})
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (run with JAX_PLATFORMS=cuda)")
 LING = dict(E=512, G=8, TG=4, K=8)       # Ling-3.0-flash's router
@@ -40,9 +39,8 @@ def _check(b, shape, interpret=INTERPRET):
     ref = grouped_top_k_by_rank(b, shape["G"], shape["TG"], shape["K"])
     assert got.dtype == jnp.int32 and got.shape == ref.shape
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
-    if interpret and not RACES_RAISE:
-        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-        assert not gpu_callbacks.get_races().races_found, "interpret mode detected a race"
+    if interpret:
+        assert_no_race_flagged()
 
 
 @interpret_only

@@ -226,7 +226,7 @@ class MoE(nnx.Module):
         moe_route.check_route_shape(cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok)
 
         def select(biased):
-            return kernels.shared_call(moe_route.route_select_pallas, biased.astype(jnp.float32),
+            return kernels.shared_call(moe_route.route_select_pallas, biased,
                                        n_group=cfg.n_group, topk_group=cfg.topk_group,
                                        top_k=cfg.num_experts_per_tok, interpret=kernels.interpret_arg("moe_kernel"))
         return select
