@@ -133,26 +133,24 @@ def test_kernel_runs_only_for_decode_and_verify():
     assert n_kernels(xla, ids[:, PROMPT:PROMPT + 1]) == 0
 
 
-def test_route_kernel_gives_the_same_run(monkeypatch):
-    """mlp.ROUTE_KERNEL (the router's selection on pallas_kernels/moe_route.py): the Pallas model's
-    decode and verify logits bit for bit as with XLA's selection (the same experts, the same order),
-    one selection kernel per MoE layer for T <= 16 and none for a 17-token forward."""
-    from lingjax.model import mlp
+def test_merge_selection_gives_the_same_run(monkeypatch):
+    """moe.SMALL_SELECTION = "grouped-merge" (the router's selection as list-merging reductions):
+    the Pallas model's decode and verify logits bit for bit as with "grouped-rank" (the same experts,
+    the same order), the merge traced once per MoE layer of each forward."""
+    from lingjax.ops import moe as moe_ops
     _, p = runs("fp8")
     pallas = models("fp8")[1]
-    monkeypatch.setattr(mlp, "ROUTE_KERNEL", True)
+    calls = []
+    merge = moe_ops.grouped_top_k_by_merge
+    monkeypatch.setattr(moe_ops, "SMALL_SELECTION", "grouped-merge")
+    monkeypatch.setattr(moe_ops, "grouped_top_k_by_merge", lambda *a: calls.append(1) or merge(*a))
     ids = _ids()
     dec = kernel_forward(pallas, ids[:, PROMPT:PROMPT + 1], p["cache"])
     ver = kernel_forward(pallas, ids[:, PROMPT:], p["cache"], pending=True)
     np.testing.assert_array_equal(np.asarray(dec.logits[0], np.float64), p["decode"])
     np.testing.assert_array_equal(np.asarray(ver.logits[0], np.float64), p["verify"])
     n_moe = sum(isinstance(layer.mlp, MoE) for layer in pallas.layers)
-    cache = pallas.init_cache(1, MAX_LEN)
-
-    def n_kernels(tokens):
-        return kernel_calls(lambda t, c: pallas(t, c), tokens, cache, name="route_select_pallas")
-    assert n_kernels(ids[:, PROMPT:]) == n_moe > 1
-    assert n_kernels(jnp.concatenate([ids, ids[:, :2]], axis=1)[:, :17]) == 0
+    assert len(calls) == 2 * n_moe > 2
 
 
 @pytest.mark.parametrize("kind", ["bf16", "bf16_shared"])

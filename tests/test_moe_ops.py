@@ -108,7 +108,7 @@ def test_top_k_by_rank_is_lax_top_k(n, k, dtype):
     np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
 
 
-@pytest.mark.parametrize("selection", ["rank", "grouped-rank"])
+@pytest.mark.parametrize("selection", ["rank", "grouped-rank", "grouped-merge"])
 @pytest.mark.parametrize("coarse", [False, True])
 def test_sort_free_routing_is_the_sorted_routing(selection, coarse):
     """route(selection="rank" / "grouped-rank") and route(selection="sort"): the same experts in the
@@ -133,10 +133,12 @@ def test_sort_free_routing_is_the_sorted_routing(selection, coarse):
 
 
 @pytest.mark.parametrize("e,n_group,topk_group,top_k", [(16, 4, 2, 4), (16, 4, 2, 6), (64, 8, 3, 8),
-                                                        (32, 4, 1, 8), (24, 8, 8, 16)])
-def test_grouped_top_k_by_rank_is_the_masked_top_k(e, n_group, topk_group, top_k):
-    """grouped_top_k_by_rank against the top_k over every kept group's experts, on scores with heavy
-    ties, signed zeros and groups with fewer experts than top_k (kk = E/G < top_k)."""
+                                                        (32, 4, 1, 8), (24, 8, 8, 16), (32, 4, 2, 1),
+                                                        (48, 4, 3, 5)])
+@pytest.mark.parametrize("select", [moe_ops.grouped_top_k_by_rank, moe_ops.grouped_top_k_by_merge])
+def test_grouped_selection_is_the_masked_top_k(e, n_group, topk_group, top_k, select):
+    """grouped_top_k_by_rank / _by_merge against the top_k over every kept group's experts, on scores
+    with heavy ties, signed zeros and groups with fewer experts than top_k (kk = E/G < top_k)."""
     rng = np.random.default_rng(e + 7 * top_k)
     b = np.round(rng.standard_normal((32, e)) * 2) / 4
     b[0] = 0.0
@@ -147,7 +149,7 @@ def test_grouped_top_k_by_rank_is_the_masked_top_k(e, n_group, topk_group, top_k
     keep = jax.lax.top_k(group_score, topk_group)[1]
     mask = jnp.repeat(jax.nn.one_hot(keep, n_group, dtype=jnp.bool_).any(1), per, axis=1)
     want = jax.lax.top_k(jnp.where(mask, b, -jnp.inf), top_k)[1]
-    got = moe_ops.grouped_top_k_by_rank(b, n_group, topk_group, top_k)
+    got = select(b, n_group, topk_group, top_k)
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 

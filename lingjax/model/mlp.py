@@ -19,8 +19,6 @@ The routed experts run on one of two kernels (``moe_kernel``, XLA by default):
            weights are refused. On a CPU backend it only runs in interpret mode, traced inside
            ``lingjax.model.kernels.pallas_interpret()`` (the one interpret switch of the model's
            Pallas kernels). Not split over devices: lingjax.loader refuses it with a mesh.
-           With ROUTE_KERNEL (off by default) the router's group-limited top-k runs on the
-           selection kernel too (pallas_kernels/moe_route.py; the same experts in the same order).
 """
 from __future__ import annotations
 
@@ -36,17 +34,11 @@ from lingjax.model.common import acc_dtype, param
 from lingjax.ops import moe as moe_ops
 from lingjax.param_layout import Matrix
 from lingjax.quant import Fp8Weight
-from pallas_kernels import moe_experts, moe_route
+from pallas_kernels import moe_experts
 
 # Token counts at or above this use the capacity expert path (prefill); below it, gather.
 MOE_GATHER_MAX_TOKENS = 64
 MOE_KERNELS = ("xla", "pallas")
-# Under moe_kernel='pallas', the router's selection of calls of <= 16 tokens on the Pallas kernel
-# (pallas_kernels/moe_route.py: one launch where XLA runs ~8-10 small fusions per MoE layer) instead
-# of `moe_ops.grouped_top_k_by_rank`; the same experts in the same order. Built in session 19 and
-# tested on the CPU (interpret mode, cross-lowering), not yet run on a GPU: off by default, a
-# trace-time setting for A/B runs (set it before the model is traced).
-ROUTE_KERNEL = False
 # The kernels' fp8 layouts (K-minor, as published: lingjax/param_layout.py)
 _GU_VIEW, _DOWN_VIEW = Matrix((0, 1), (3,), (2,)), Matrix((0,), (2,), (1,))     # [E, 2, F, D], [E, D, F]
 
@@ -203,8 +195,7 @@ class MoE(nnx.Module):
                                topk_group=cfg.topk_group, top_k=cfg.num_experts_per_tok,
                                norm_topk_prob=cfg.norm_topk_prob,
                                routed_scaling_factor=cfg.routed_scaling_factor,
-                               expert_keep=self.approx.expert_keep, bf16_logits=self.approx.bf16_router_head,
-                               select=self._route_kernel(b * t))
+                               expert_keep=self.approx.expert_keep, bf16_logits=self.approx.bf16_router_head)
         if self.moe_kernel == "pallas" and b * t <= moe_experts.MAX_M:
             sh = shared_kernel_weights(self.shared, self.w_gate_up, cfg.moe_intermediate_size)
             if sh is not None:      # routed + shared experts in one pair of kernels
@@ -216,17 +207,3 @@ class MoE(nnx.Module):
             experts = moe_ops.experts_gather if b * t < MOE_GATHER_MAX_TOKENS else moe_ops.experts_capacity
             routed = experts(xf, idx, w, self.w_gate_up, self.w_down, self.limit)   # Param or Fp8Weight
         return (routed + self.shared(xf)).reshape(b, t, d)
-
-    def _route_kernel(self, tokens: int):
-        """The router's selection on the Pallas kernel (ROUTE_KERNEL), or None: XLA's."""
-        cfg = self.cfg
-        if not (ROUTE_KERNEL and self.moe_kernel == "pallas" and tokens <= moe_ops.SORT_FREE_MAX_ROWS
-                and kernels.current_mesh() is None):
-            return None
-        moe_route.check_route_shape(cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok)
-
-        def select(biased):
-            return kernels.shared_call(moe_route.route_select_pallas, biased,
-                                       n_group=cfg.n_group, topk_group=cfg.topk_group,
-                                       top_k=cfg.num_experts_per_tok, interpret=kernels.interpret_arg("moe_kernel"))
-        return select

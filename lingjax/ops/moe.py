@@ -41,12 +41,15 @@ def _param_like(w):
     return w if isinstance(w, (Fp8Weight, nnx.Variable)) else _Array(jnp.asarray(w))
 
 
-# Routers of up to this many tokens select without sorts (SELECTIONS: "grouped-rank"), larger ones
-# through lax.top_k ("sort"); all give the same experts. H200 (session 7, `python -m
+# Routers of up to this many tokens select without sorts (SMALL_SELECTION), larger ones through
+# lax.top_k ("sort"); all SELECTIONS give the same experts. H200 (session 7, `python -m
 # bench.router_timing --M 1,9`): the flat "rank" router 16.9 vs 22.2 us per call at M = 1, 15.4 vs
-# 18.7 at M = 9. On the CPU the rank paths are slower.
+# 18.7 at M = 9; "grouped-rank" (session 16) 10.7 / 12.4; "grouped-merge" (session 20, run 77)
+# 10.2 / 12.2 vs 11.3 / 12.3, one MoE layer 44.4 / 72.1 vs 45.3 / 73.6 us, plain full-depth step
+# 4.106 vs 4.191 ms. On the CPU the sort-free paths are slower.
 SORT_FREE_MAX_ROWS = 16
-SELECTIONS = ("sort", "rank", "grouped-rank")
+SELECTIONS = ("sort", "rank", "grouped-rank", "grouped-merge")
+SMALL_SELECTION = "grouped-merge"
 
 
 def top_k_by_rank(x, k: int, ids=None):
@@ -106,9 +109,90 @@ def grouped_top_k_by_rank(biased, n_group: int, topk_group: int, top_k: int):
     return top_k_by_rank(cand, top_k, ids=ids)[1]
 
 
+def _beats(av, ai, bv, bi):
+    """(av, ai) ranks before (bv, bi): the larger value, -0.0 below +0.0 (lax.top_k's total order),
+    then the lower id."""
+    an, bn = jnp.signbit(av), jnp.signbit(bv)
+    return (av > bv) | ((av == bv) & ((bn & ~an) | ((an == bn) & (ai < bi))))
+
+
+def _merge_top_lists(a, b):
+    """Two descending lists of K (value, id) pairs (K a power of two; a = (values..., ids...), 2K
+    scalars or arrays) -> the K best of their union, descending: the bitonic merge (pairwise best
+    of a[r] and b[K-1-r], then log2 K compare-exchange stages). Exact under `_beats`' strict order
+    (ids distinct), so associative and commutative: a reduction combiner."""
+    k = len(a) // 2
+    v = [None] * k
+    i = [None] * k
+    for r in range(k):
+        keep_a = _beats(a[r], a[k + r], b[k - 1 - r], b[2 * k - 1 - r])
+        v[r] = jnp.where(keep_a, a[r], b[k - 1 - r])
+        i[r] = jnp.where(keep_a, a[k + r], b[2 * k - 1 - r])
+    stride = k // 2
+    while stride:
+        for r in range(k):
+            if r & stride:
+                continue
+            first = _beats(v[r], i[r], v[r + stride], i[r + stride])
+            v[r], v[r + stride] = jnp.where(first, v[r], v[r + stride]), jnp.where(first, v[r + stride], v[r])
+            i[r], i[r + stride] = jnp.where(first, i[r], i[r + stride]), jnp.where(first, i[r + stride], i[r])
+        stride //= 2
+    return (*v, *i)
+
+
+def _top_lists(values, ids, k2: int, axis: int):
+    """The top k2 (k2 a power of two) of `values` along `axis`, ties by `_beats`, as one XLA
+    reduction whose combiner merges sorted lists: (values [.., k2], ids [.., k2]) descending, with
+    the axis removed and a trailing k2 axis. Entries beyond the axis' length come out as -inf with
+    an id past every real one."""
+    pad_v = jnp.full(values.shape, -jnp.inf, values.dtype)
+    pad_i = jnp.full(ids.shape, jnp.iinfo(ids.dtype).max, ids.dtype)
+    operands = (values, *[pad_v] * (k2 - 1), ids, *[pad_i] * (k2 - 1))
+    inits = (*[jnp.array(-jnp.inf, values.dtype)] * k2, *[jnp.array(jnp.iinfo(ids.dtype).max, ids.dtype)] * k2)
+    out = jax.lax.reduce(operands, inits, _merge_top_lists, (axis,))
+    return jnp.stack(out[:k2], -1), jnp.stack(out[k2:], -1)
+
+
+def grouped_top_k_by_merge(biased, n_group: int, topk_group: int, top_k: int):
+    """The group-limited selection of `route` in three reductions (no sorts, no n^2 comparisons
+    over the experts): idx [N, top_k] int32, the same experts in the same order as the other
+    selections.
+
+    biased [N, E] -> (1) each group's top K2 = next power of two >= max(min(top_k, E/G), 2) as a
+    list-merging reduction over the group's experts (its top 2 summed: the group score); (2) the
+    groups' ranks ([G, G] comparisons, ties to the lower group) keep topk_group groups; (3) the
+    top_k of the kept groups' lists, a list-merging reduction over the groups (unkept ones masked to
+    -inf). Each reduction's combiner merges two descending lists bitonically (`_merge_top_lists`);
+    the order (value, -0.0 below +0.0, lower expert id) is lax.top_k's, so any reduction order XLA
+    picks gives the same lists. An expert in the top_k over every kept group's experts is beaten by
+    fewer than top_k experts, so by fewer than K2 >= min(top_k, E/G) of its own group's."""
+    n, e = biased.shape
+    per = e // n_group
+    k2 = 1 << (max(min(top_k, per), 2) - 1).bit_length()
+    k_out = 1 << (top_k - 1).bit_length()
+    ids = jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32), (n, e))
+    gv, gi = _top_lists(biased.reshape(n, n_group, per), ids.reshape(n, n_group, per), k2, 2)   # [N, G, K2]
+    group_score = gv[..., 0] + gv[..., 1]                                   # = top 2 per group, summed
+    gs_i, gs_j = group_score[..., :, None], group_score[..., None, :]
+    g = jnp.arange(n_group)
+    g_beats = _beats(gs_j, g[None, :], gs_i, g[:, None])                     # [N, G, G]: group j beats i
+    keep = g_beats.sum(-1) < topk_group                                      # [N, G]
+    gv = jnp.where(keep[..., None], gv, -jnp.inf)
+    if k2 < k_out:              # groups narrower than top_k: pad each list to the output length
+        gv = jnp.pad(gv, ((0, 0), (0, 0), (0, k_out - k2)), constant_values=-jnp.inf)
+        gi = jnp.pad(gi, ((0, 0), (0, 0), (0, k_out - k2)), constant_values=jnp.iinfo(jnp.int32).max)
+    elif k2 > k_out:
+        gv, gi = gv[..., :k_out], gi[..., :k_out]
+    lists = [gv[..., r] for r in range(k_out)] + [gi[..., r] for r in range(k_out)]
+    out = jax.lax.reduce(tuple(lists), (*[jnp.array(-jnp.inf, gv.dtype)] * k_out,
+                                        *[jnp.array(jnp.iinfo(jnp.int32).max, jnp.int32)] * k_out),
+                         _merge_top_lists, (1,))
+    return jnp.stack(out[k_out:k_out + top_k], -1)
+
+
 def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int,
           norm_topk_prob: bool, routed_scaling_factor: float, expert_keep: float | None = None,
-          bf16_logits: bool = False, selection: str | None = None, select=None):
+          bf16_logits: bool = False, selection: str | None = None):
     """Group-limited top-k routing (published BailingMoeV3 semantics).
 
     x [N, D]; w_router [D, E]; expert_bias [E]. Returns (idx [N, k] int32, weight [N, k] acc).
@@ -120,14 +204,12 @@ def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int
     Approximate modes (off by default): bf16_logits computes logits and sigmoid in bfloat16;
     expert_keep=X keeps the heaviest experts carrying X of s before normalising (`keep_top_share`).
     selection (SELECTIONS, the same result): "sort" every top-k through lax.top_k, "rank" through
-    `top_k_by_rank`, "grouped-rank" `grouped_top_k_by_rank`; None: "grouped-rank" for at most
-    SORT_FREE_MAX_ROWS tokens, else "sort". select (optional): a function biased [N, E] float32 ->
-    idx [N, top_k] int32 that computes the same selection (the model's Pallas kernel,
-    pallas_kernels/moe_route.py); it replaces `selection`.
+    `top_k_by_rank`, "grouped-rank" `grouped_top_k_by_rank`, "grouped-merge"
+    `grouped_top_k_by_merge`; None: SMALL_SELECTION for at most SORT_FREE_MAX_ROWS tokens, else "sort".
     """
     acc = acc_dtype(x.dtype)
     if selection is None:
-        selection = "grouped-rank" if x.shape[0] <= SORT_FREE_MAX_ROWS else "sort"
+        selection = SMALL_SELECTION if x.shape[0] <= SORT_FREE_MAX_ROWS else "sort"
     if selection not in SELECTIONS:
         raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
     if bf16_logits:
@@ -136,10 +218,10 @@ def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int
         s = jax.nn.sigmoid(router_logits(x, w_router, acc))
     biased = s + expert_bias.astype(acc)
     n, e = biased.shape
-    if select is not None:
-        idx = select(biased)
-    elif selection == "grouped-rank":
+    if selection == "grouped-rank":
         idx = grouped_top_k_by_rank(biased, n_group, topk_group, top_k)
+    elif selection == "grouped-merge":
+        idx = grouped_top_k_by_merge(biased, n_group, topk_group, top_k)
     else:
         top = top_k_by_rank if selection == "rank" else jax.lax.top_k          # same result
         grouped = biased.reshape(n, n_group, e // n_group)
