@@ -3,8 +3,9 @@
     x      [M, K]   activations (any float dtype; used as bf16), M <= 16
     w      [K, N]   bfloat16, or float8_e4m3fn with
     scale  [K/128, ceil(N/128)] float32: one scale per 128 x 128 block of w (the
-           :class:`lingjax.quant.Fp8Weight` layout of a 2-D ``Matrix((), (0,), (1,))`` view;
-           fused weights are reshaped to [K, N] by the caller, their scales to the same block grid)
+           :class:`lingjax.quant.Fp8Weight` layout of a 2-D ``Matrix((), (0,), (1,))`` view), or
+           [G, K/128, N/128/G] for a stacked (fused) weight whose G stacked parts are column
+           groups of N: its scales as stored, no transpose (the caller reshapes the values to [K, N])
     -> y [M, N] = x @ dequantise(w)   in ``out_dtype`` (default x.dtype), float32 accumulation
 
 Used for the dense projections of a decode step (KDA fused input projection 2560 -> 5 x 4096,
@@ -26,8 +27,9 @@ Design
   e4m3 value is an f16; sm_90 converts e4m3 -> f16 in hardware, two values per instruction, but
   has no e4m3 -> bf16), stored to a swizzled SMEM tile and multiplied into a fresh accumulator;
   the block scale is applied to that [bn, m_pad] float32 product (``carry += scale[k_blk, n_blk]
-  * p``: 8 or 16 multiplies per thread per tile instead of one per weight element; the program's
-  scales come in with one TMA that overlaps the first weight loads). The tokens are f16 too:
+  * p``: 8 or 16 multiplies per thread per tile instead of one per weight element; each tile's
+  scale is a scalar load from GMEM where the scales are stored, issued before the tile converts;
+  session 20). The tokens are f16 too:
   each row of x (bf16) is scaled in XLA by a power of two that puts its max |x| in [2**14, 2**15),
   so every bf16 value above ~2**-28 * max|x| is exact in f16, and the output row is scaled back.
   Net: the float32 product of x_bf16 and the exact dequantised weight, up to float32 summation
@@ -61,8 +63,8 @@ Design
   many as fit ~110 KiB of SMEM (so two programs can share an SM), between 2 and 8. fp8 (tuned on
   the H200, session 7): block_n = 64, 2 stages, split_k aiming at >= 528 programs (four per SM).
 
-Launches per call: the x pad/convert fusion (+ the fp8 scale transpose, [K/128, N/128] floats,
-which a caller could do once at load time), the kernel, the split-K sum / transpose fusion.
+Launches per call: the x pad/convert fusion, the kernel, the split-K sum / transpose fusion ('pair'
+and 'async' also transpose the scales to one [K/128] row per column block, for one TMA per program).
 
 Status: runs on the H200 (jax 0.11.2): its GPU tests pass at the Ling shapes, M in {1, 9, 16},
 bf16 and fp8 (tests/test_pallas_skinny_gemm.py). In-loop time (bench/skinny_gemm_timing.py,
@@ -153,7 +155,8 @@ def skinny_gemm_config(M: int, K: int, N: int, fp8: bool, *, block_n=None, split
 
 
 def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_schedule="serial", k_minor=False):
-    """xp [m_pad, K] bf16 (f16 for fp8 w), w [K, N], s_t [N/128 blocks, K/128 (+pad)] f32 or None
+    """xp [m_pad, K] bf16 (f16 for fp8 w), w [K, N], s_t f32 or None: the scales as stored, [G,
+    K/128, N/128/G] ('serial'), or [N/128 blocks, K/128 (+pad)] ('pair', 'async')
     -> part [split_k, N, m_pad] part_dtype. fp8_schedule: 'serial' | 'pair' | 'async' (module
     docstring; 'async' wants s_t pre-multiplied by 2**SCALE_SHIFT). k_minor: w [N, K]."""
     N, K = w.shape if k_minor else w.shape[::-1]
@@ -202,13 +205,13 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
         store_out(pl.run_scoped(scoped, plgpu.ACC((bn, mp), _F32)), part_g, j, s)
 
     def body_fp8(x_g, w_g, s_g, part_g):
+        """s_g: the scales as stored, [column groups, K/128, N/128 / groups] (no transpose)."""
         j, s = lax.axis_index("n"), lax.axis_index("k")
+        nb_g = s_g.shape[2]
+        grp, jb = divmod((j * bn) // BLOCK, nb_g)       # this program's column block of the scales
 
-        def scoped(s_s, bar, *wb):
+        def scoped(*wb):
             wb_s = wb[0] if wb else None          # the f16 tile (k_minor: interpret mode only)
-            # this column block's scales; waited for in the first step, so that this load
-            # overlaps the pipeline's first weight loads
-            plgpu.copy_gmem_to_smem(s_g.at[(j * bn) // BLOCK], s_s, bar.at[0])
 
             def a_tile(w8_s):
                 """The fp8 tile as an exact f16 WGMMA A operand [bn, 128]."""
@@ -220,6 +223,7 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
 
             def step(idxs, w8_s, x_s, carry):
                 (i,) = idxs
+                sc = s_g[grp, s * kps + i, jb]          # a scalar load from GMEM (L2), issued first
                 a = a_tile(w8_s)
 
                 def mma(acc):
@@ -228,16 +232,14 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
                     return acc[...]
 
                 p = pl.run_scoped(mma, plgpu.ACC((bn, mp), _F32))
-                pl.when(i == 0)(lambda: plgpu.barrier_wait(bar.at[0]))
-                return carry + p * s_s[s * kps + i]
+                return carry + p * sc
 
             zero = plgpu.layout_cast(jnp.zeros((bn, mp), _F32), _WG)
             return plgpu.emit_pipeline(step, grid=(kps,), in_specs=specs,
                                        max_concurrent_steps=cfg.stages,
                                        init_carry=zero)(*operands(w_g, x_g, j, s))
 
-        y = pl.run_scoped(scoped, plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1),
-                          *((f16_tile(),) if not k_minor or interpret else ()))
+        y = pl.run_scoped(scoped, f16_tile()) if not k_minor or interpret else scoped()
         store_out(y, part_g, j, s)
 
     def body_fp8_pair(x_g, w_g, s_g, part_g):
@@ -381,9 +383,17 @@ def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=N
     if stages is not None and stages < 1:
         raise ValueError(f"stages={stages} must be >= 1")
     nb = -(-N // BLOCK)
-    if fp8 and tuple(scale.shape) != (nk, nb):
-        raise ValueError(f"scale {tuple(scale.shape)} must be [K/128, ceil(N/128)] = {(nk, nb)} "
-                         "(one float32 per 128 x 128 block of w)")
+    if fp8:
+        given = tuple(scale.shape)
+        scale = scale.astype(_F32)
+        if scale.ndim == 2:
+            scale = scale[None]                  # one column group
+        groups = scale.shape[0] if scale.ndim == 3 else 0
+        if scale.ndim not in (2, 3) or scale.shape[1] != nk or groups * scale.shape[2] != nb or (
+                groups > 1 and N != groups * scale.shape[2] * BLOCK):
+            raise ValueError(f"scale {given} must be [K/128, ceil(N/128)] = {(nk, nb)} (one float32 "
+                             "per 128 x 128 block of w), or [G, K/128, N/128/G] for G column groups of whole "
+                             "128-column blocks (a stacked weight's scales as stored)")
     if fp8 and k_minor and fp8_schedule == "pair":
         raise ValueError("fp8_schedule='pair' is not implemented for k_minor weights; use 'serial'")
     cfg = skinny_gemm_config(M, K, N, fp8, block_n=block_n, split_k=split_k, stages=stages, k_minor=k_minor)
@@ -399,9 +409,11 @@ def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=N
     s_t = None
     if fp8:
         xp, e = f16_rows(xb, cfg.m_pad)       # f16 tokens, each row scaled by 2**(X_TOP_EXP - e)
-        # scales as [N blocks, K blocks]: a program's scales are one row, padded to 16 bytes
-        s_t = jnp.swapaxes(scale.astype(_F32), 0, 1)
-        s_t = jnp.pad(s_t, ((0, 0), (0, -nk % 4))) if nk % 4 else s_t
+        if fp8_schedule == "serial":          # the kernel reads each tile's scale where it is stored
+            s_t = scale
+        else:       # scales as [N blocks, K blocks]: a program's scales are one row (one TMA), 16-byte rows
+            s_t = jnp.swapaxes(jnp.moveaxis(scale, 1, 0).reshape(nk, nb), 0, 1)
+            s_t = jnp.pad(s_t, ((0, 0), (0, -nk % 4))) if nk % 4 else s_t
         if fp8_schedule == "async":     # the kernel multiplies f16 weights by f16(scale * 2**SHIFT)
             s_t = s_t * 2.0 ** SCALE_SHIFT
             e = e - SCALE_SHIFT

@@ -191,7 +191,8 @@ def test_fp8_operands_are_the_block_grid():
     values, scale = quantize(w, view)
     fw = Fp8Weight(values, scale, view=view, block=(128, 128), dtype=F32, logical=(None,) * 4)
     w2, s2 = dense.kernel_operands(fw, -1)
-    assert w2.shape == (5 * h * k, d) and s2.shape == (d // 128, 5 * h * k // 128)
+    assert w2.shape == (5 * h * k, d) and s2.shape == (5, d // 128, h * k // 128)     # stack = column groups
+    s2 = jnp.moveaxis(s2, 1, 0).reshape(d // 128, 5 * h * k // 128)                 # [K blocks, N blocks]
     deq = w2.astype(F32).reshape(5, 128, 2, 128) * s2.T[:, None, :, None]
     np.testing.assert_array_equal(np.asarray(deq.reshape(5, h, k, d)), np.asarray(fw[...]))
     # contracting over (K, D) would put an out axis into K: not a plain reshape of the view

@@ -181,6 +181,26 @@ def test_interpret_each_block_gets_its_own_scale():
         np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(expect, (2, N)))
 
 
+@pytest.mark.parametrize("schedule", ["serial", "async"])
+@interpret_only
+def test_interpret_grouped_scales_are_the_block_grid(schedule):
+    """scale given as stored for a stacked weight, [G, K/128, N/128/G] (G column groups), gives
+    each block its own scale like the [K/128, N/128] grid: scale[g, kb, b] = 2**-(kb + 3 (g * 2 + b) + 3)
+    (below 'async''s 0.14 bound; powers of two, so exact either way)."""
+    K, N, G = 384, 512, 2
+    w = jnp.ones((K, N), FP8)
+    kb, nb = np.meshgrid(np.arange(K // 128), np.arange(N // 128), indexing="ij")
+    grid = 2.0 ** -(kb + 3 * nb + 3)                                        # [K blocks, N blocks]
+    grouped = jnp.asarray(grid.reshape(K // 128, G, -1).transpose(1, 0, 2), F32)   # [G, K blocks, N blocks / G]
+    expect = 128 * np.repeat(grid.sum(0), 128)
+    for kw in ({}, dict(block_n=128, split_k=3 if schedule == "serial" else 1)):   # 'async': >= 2 tiles each
+        out = skinny_gemm_pallas(jnp.ones((2, K), BF16), w, grouped, interpret=INTERPRET, out_dtype=F32,
+                                 fp8_schedule=schedule, **kw)
+        np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(expect, (2, N)))
+    with pytest.raises(ValueError, match="column groups"):
+        skinny_gemm_pallas(jnp.ones((2, K), BF16), w[:, :448], grouped[:, :, :2], interpret=INTERPRET)
+
+
 @interpret_only
 def test_interpret_fp8_rows_of_different_magnitudes():
     """fp8 weights run on f16 operands with each token row scaled by a power of two: tiny, huge

@@ -121,9 +121,10 @@ def kernel_refusal(weight, k_axes: int) -> str | None:
 
 
 def kernel_operands(weight, k_axes: int):
-    """(w [K, N] (k_axes > 0) or [N, K] (k_axes < 0) bfloat16 or float8_e4m3fn, scale [K/128,
-    ceil(N/128)] float32 or None) for skinny_gemm_pallas: a reshape of the stored values, the fp8
-    scales' K-block axis moved first. Raises ValueError for a weight :func:`kernel_refusal` refuses."""
+    """(w [K, N] (k_axes > 0) or [N, K] (k_axes < 0) bfloat16 or float8_e4m3fn, scale [G, K/128,
+    N/128/G] float32 or None) for skinny_gemm_pallas: reshapes of the stored values and scales (G =
+    the product of the view's stack dims, the column groups of N; no transpose). Raises ValueError
+    for a weight :func:`kernel_refusal` refuses."""
     why = kernel_refusal(weight, k_axes)
     if why is not None:
         raise ValueError(f"dense_kernel='pallas': a weight {tuple(weight.shape)} recorded for the kernel no "
@@ -133,8 +134,7 @@ def kernel_operands(weight, k_axes: int):
     matrix = (K, N) if k_axes > 0 else (N, K)
     if isinstance(weight, Fp8Weight):
         scale = weight.scale_inv.get_value()                  # [*stack, K/128, OUT/128]
-        n_stack = len(weight.view.stack)
-        scale = jnp.moveaxis(scale, n_stack, 0).reshape(K // BLOCK, -1)
+        scale = scale.reshape(-1, K // BLOCK, scale.shape[-1])
         return weight.values.get_value().reshape(matrix), scale
     return weight.get_value().reshape(matrix), None
 
