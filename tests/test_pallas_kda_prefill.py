@@ -88,6 +88,7 @@ def _rel_rmse(x, ref):
 
 
 def _assert_no_race_flagged():
+    """tests/helpers.assert_no_race_flagged, repeated here for the reason interpret_only is (above)."""
     if not RACES_RAISE:
         from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
         assert not gpu_callbacks.get_races().races_found, "interpret mode detected a race"

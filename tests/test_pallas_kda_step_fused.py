@@ -16,13 +16,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from helpers import interpret_only  # noqa: E402
+from helpers import assert_no_race_flagged, interpret_only  # noqa: E402
 from lingjax.ops.kda import kda_fused_step  # noqa: E402
 from pallas_kernels.kda_step_fused import kda_fused_step_pallas  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
-RACES_RAISE = "on_race" in getattr(plgpu.InterpretGPUParams, "__dataclass_fields__", {})
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (run with JAX_PLATFORMS=cuda)")
 
@@ -41,17 +40,11 @@ def _inputs(B, T, H, K, *, dtype=F32, seed=0, ks=4):
     return proj, window, conv_w, A_log, dt_bias, beta, state
 
 
-def _assert_no_race_flagged():
-    if not RACES_RAISE:
-        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-        assert not gpu_callbacks.get_races().races_found, "interpret mode detected a race"
-
-
 def _run(args, n=None, interpret=INTERPRET, **kw):
     out = jax.block_until_ready(kda_fused_step_pallas(*args, None if n is None else jnp.int32(n),
                                                       interpret=interpret, **kw))
     if interpret:
-        _assert_no_race_flagged()
+        assert_no_race_flagged()
     return out
 
 
@@ -148,7 +141,7 @@ def test_interpret_state_in_place_equals_a_state_output():
         return jax.jit(lambda st: jax.lax.fori_loop(0, 2, body, st))(state)
 
     np.testing.assert_array_equal(np.asarray(loop(True)), np.asarray(loop(False)))
-    _assert_no_race_flagged()
+    assert_no_race_flagged()
     with pytest.raises(ValueError, match="state_in_place=True updates the state operand"):
         kda_fused_step_pallas(*args, write_state=False, state_in_place=True, interpret=INTERPRET)
 

@@ -17,14 +17,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from helpers import interpret_only, rel  # noqa: E402
+from helpers import assert_no_race_flagged, interpret_only, rel  # noqa: E402
 from lingjax.ops.mla import absorbed_attention  # noqa: E402
 from pallas_kernels.mla_decode import (WARPGROUPS, combine_splits, mla_decode_attention_pallas, pick_splits,  # noqa: E402
                                        warpgroups_for)
 
 BF16 = jnp.bfloat16
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
-RACES_RAISE = "on_race" in getattr(plgpu.InterpretGPUParams, "__dataclass_fields__", {})
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (run with JAX_PLATFORMS=cuda)")
 LING = dict(H=32, L=512, Dr=64)     # Ling-3.0-flash: 32 heads, kv_lora_rank 512, qk_rope_head_dim 64
@@ -41,17 +40,11 @@ def _scale(L, Dr):
     return 0.5 * (L + Dr) ** -0.5      # spreads the softmax over a few dozen positions
 
 
-def _assert_no_race_flagged():
-    if not RACES_RAISE:
-        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-        assert not gpu_callbacks.get_races().races_found, "interpret mode detected a race"
-
-
 def _run(args, pos, H, scale, interpret=INTERPRET, **kw):
     o = jax.block_until_ready(mla_decode_attention_pallas(*args, jnp.int32(pos), heads=H, scale=scale,
                                                           interpret=interpret, **kw))
     if interpret:
-        _assert_no_race_flagged()
+        assert_no_race_flagged()
     return np.asarray(o)
 
 

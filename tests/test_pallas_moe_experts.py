@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from helpers import interpret_only  # noqa: E402
+from helpers import assert_no_race_flagged, interpret_only  # noqa: E402
 from lingjax.ops.moe import experts_gather  # noqa: E402
 from lingjax.param_layout import Matrix  # noqa: E402
 from lingjax.quant import FP8, Fp8Weight  # noqa: E402
@@ -28,7 +28,6 @@ from pallas_kernels.moe_experts import (dedupe_experts, moe_experts_pallas, moe_
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)  # jax 0.12: races raise (on_race="raise")
-RACES_RAISE = "on_race" in getattr(plgpu.InterpretGPUParams, "__dataclass_fields__", {})
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (run with JAX_PLATFORMS=cuda)")
 # The tests make K-major weights (w_gate_up [E, D, 2, F], w_down [E, F, D]: k_minor=False) and
@@ -42,12 +41,6 @@ def _k_minor(vgu, sgu, vd, sd):
     """K-major test weights -> the K-minor layout (the kernels' k_minor=True, the model's)."""
     return vgu.transpose(0, 2, 3, 1), sgu, jnp.swapaxes(vd, 1, 2), sd
 LING = dict(E=512, D=2560, F=768, k=8)
-
-
-def _assert_no_race_flagged():
-    if not RACES_RAISE:          # jax 0.11.2: a race is printed and flagged in private state
-        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-        assert not gpu_callbacks.get_races().races_found, "interpret mode detected a race"
 
 
 def _weights(E, D, F, seed=0, kind="fp8"):
@@ -227,7 +220,7 @@ def test_interpret_matches_experts_gather(M, D, F, mode, limit, kind):
     chosen[np.asarray(idx).ravel()] = True
     out = moe_experts_pallas(x, idx, w, *_poison(jnp.asarray(~chosen), *weights), limit, interpret=INTERPRET)
     out = jax.block_until_ready(out)
-    _assert_no_race_flagged()
+    assert_no_race_flagged()
     assert out.shape == (M, D) and out.dtype == BF16
     _check(out, ref, 2e-2)                                   # bf16 rounding of h, act, y differ
     _check(out, _reference(x, idx, w, *weights, limit, dtype=F32), 2e-2)
@@ -252,7 +245,7 @@ def test_interpret_skips_zero_weight_experts(kind):
     read[[0, 1, 3, 8, 10]] = True
     out = moe_experts_pallas(x, idx, w, *_poison(jnp.asarray(~read), *weights), interpret=INTERPRET)
     out = jax.block_until_ready(out)
-    _assert_no_race_flagged()
+    assert_no_race_flagged()
     _check(out, ref, 2e-2)
     assert not np.asarray(out)[1].any()
 
@@ -284,7 +277,7 @@ def test_interpret_split_reduction_matches(M, D, F, split_d, split_f, limit, kin
     out = moe_experts_pallas(x, idx, w, *poisoned, limit, split_d=split_d, split_f=split_f,
                              interpret=INTERPRET)
     out = jax.block_until_ready(out)
-    _assert_no_race_flagged()
+    assert_no_race_flagged()
     _check(out, ref, 2e-2)
     unsplit = moe_experts_pallas(x, idx, w, *poisoned, limit, split_d=1, split_f=1, interpret=INTERPRET)
     _check(out, unsplit, 1e-2)            # only the float32 summation order and act's rounding differ
@@ -319,7 +312,7 @@ def test_interpret_shared_expert_slot(M, split_d, split_f, limit, shared_limit, 
     out = moe_experts_pallas(x, idx, w, *_poison(jnp.asarray(~read), *routed), limit, shared=shared,
                              split_d=split_d, split_f=split_f, interpret=INTERPRET)
     out = jax.block_until_ready(out)
-    _assert_no_race_flagged()
+    assert_no_race_flagged()
     assert out.shape == (M, D)
     _check(out, ref, 2e-2)
     if limit != shared_limit:           # the clamps differ where it matters: swapping them shows
@@ -357,7 +350,7 @@ def test_interpret_async_schedule_matches(M, D, F, mode, split_d, split_f, limit
     poisoned = _poison(jnp.asarray(~read), *routed)
     kw = dict(shared=shared, split_d=split_d, split_f=split_f, interpret=INTERPRET)
     out = jax.block_until_ready(moe_experts_pallas(x, idx, w, *poisoned, limit, fp8_schedule="async", **kw))
-    _assert_no_race_flagged()
+    assert_no_race_flagged()
     _check(out, ref, 2e-2)
     _check(out, moe_experts_pallas(x, idx, w, *poisoned, limit, **kw), 1e-2)
 
@@ -391,7 +384,7 @@ def test_interpret_k_minor_weights_match(M, mode, split_d, split_f, with_shared,
     kw = dict(split_d=split_d, split_f=split_f, interpret=INTERPRET)
     out = moe_experts_pallas(x, idx, w, *_k_minor(*poisoned), 0.02, shared=shared_k, k_minor=True, **kw)
     out = jax.block_until_ready(out)
-    _assert_no_race_flagged()
+    assert_no_race_flagged()
     _check(out, moe_experts_pallas(x, idx, w, *poisoned, 0.02, shared=shared, **kw), 1e-3)
     ref = _reference(x, idx, w, *routed, 0.02)
     if with_shared:

@@ -19,24 +19,17 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from helpers import interpret_only  # noqa: E402
+from helpers import assert_no_race_flagged, interpret_only  # noqa: E402
 from lingjax.quant import FP8  # noqa: E402
 from pallas_kernels.skinny_gemm import (skinny_gemm_config, skinny_gemm_pallas,  # noqa: E402
                                         skinny_gemm_reference, weight_bytes)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)  # jax 0.12: races raise (on_race="raise")
-RACES_RAISE = "on_race" in getattr(plgpu.InterpretGPUParams, "__dataclass_fields__", {})
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (run with JAX_PLATFORMS=cuda)")
 # (K, N): KDA fused q/k/v/f/g input projection, KDA o_proj, lm_head
 LING_SHAPES = [(2560, 20480), (4096, 2560), (2560, 157184)]
-
-
-def _assert_no_race_flagged():
-    if not RACES_RAISE:          # jax 0.11.2: a race is printed and flagged in private state
-        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-        assert not gpu_callbacks.get_races().races_found, "interpret mode detected a race"
 
 
 def _weights(K, N, fp8, seed=0):
@@ -79,7 +72,7 @@ def test_interpret_matches_reference(M, K, N, fp8, kw):
     w, s = _weights(K, N, fp8, seed=M + K + N)
     x = _x(M, K, seed=M)
     out = jax.block_until_ready(skinny_gemm_pallas(x, w, s, interpret=INTERPRET, out_dtype=F32, **kw))
-    _assert_no_race_flagged()
+    assert_no_race_flagged()
     assert out.shape == (M, N) and out.dtype == F32
     _check(out, skinny_gemm_reference(x, w, s), 1e-5)      # float32 accumulation, exact operands
 
@@ -100,7 +93,7 @@ def test_interpret_pair_schedule_matches_reference(M, K, N, kw):
     x = _x(M, K, seed=M)
     out = jax.block_until_ready(skinny_gemm_pallas(x, w, s, interpret=INTERPRET, out_dtype=F32,
                                                    fp8_schedule="pair", **kw))
-    _assert_no_race_flagged()
+    assert_no_race_flagged()
     _check(out, skinny_gemm_reference(x, w, s), 1e-5)
 
 
@@ -119,7 +112,7 @@ def test_interpret_async_schedule_matches_reference(M, K, N, kw):
     x = _x(M, K, seed=M)
     out = jax.block_until_ready(skinny_gemm_pallas(x, w, s, interpret=INTERPRET, out_dtype=F32,
                                                    fp8_schedule="async", **kw))
-    _assert_no_race_flagged()
+    assert_no_race_flagged()
     _check(out, skinny_gemm_reference(x, w, s), 1e-5)   # power-of-two scales: the f16 products are exact
 
 
@@ -154,7 +147,7 @@ def test_interpret_k_minor_matches_reference(M, K, N, fp8, kw):
     w, s = _weights(K, N, fp8, seed=M + N + 2)
     x = _x(M, K, seed=M)
     out = jax.block_until_ready(skinny_gemm_pallas(x, w.T, s, interpret=INTERPRET, out_dtype=F32, k_minor=True, **kw))
-    _assert_no_race_flagged()
+    assert_no_race_flagged()
     _check(out, skinny_gemm_reference(x, w, s), 1e-5)
     _check(out, skinny_gemm_reference(x, w.T, s, k_minor=True), 1e-5)
 
