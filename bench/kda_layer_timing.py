@@ -28,7 +28,7 @@ import contextlib
 from pathlib import Path
 
 from bench.common import COPY_BW_H200, add_layer_loop_args, choice_list, int_list
-from bench.kernel_table import print_table, profile_loop
+from bench.kernel_table import print_table, time_layer
 from lingjax import xla_env
 
 
@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from bench.common import loop_overhead, save_result, time_in_loop
+    from bench.common import save_result
     from lingjax.cache import KDAState
     from lingjax.config import preset
     from lingjax.model import dense, kernels as kernel_ctx
@@ -113,7 +113,6 @@ def main(argv=None) -> dict:
             return y, (commit_prefix(pending, a.commit) if a.commit is not None else cache)
         return f
 
-    kw = {} if on_gpu else {"per_iter": 1, "repeats": 1}
     rows = []
     for kernel in step_kernels:
         graphdef, params = None, []
@@ -128,13 +127,11 @@ def main(argv=None) -> dict:
             xs = [jax.random.normal(jax.random.PRNGKey(a.seed + 7 * M + i), (1, M, cfg.hidden_size),
                                     jnp.float32).astype(act) for i in range(a.layers)]
             sets = [(x, st, c) for x, st, c in zip(xs, params, states)]
-            with ctx():
-                overhead = loop_overhead(sets, a.iters, carry_last=True, **kw)
-                t = time_in_loop(f, sets, a.iters, carry_last=True, **kw)
-            net = t - overhead
             what = "decode" if M == 1 else ("verify" + (f"+commit{a.commit}" if a.commit is not None else ""))
-            row = {"kda_kernel": kernel, "M": M, "call": what, "layer_us": net * 1e6, "raw_us": t * 1e6,
-                   "loop_overhead_us": overhead * 1e6, "bytes": weight_bytes}
+            row = {"kda_kernel": kernel, "M": M, "call": what, "bytes": weight_bytes}
+            row.update(time_layer(f, sets, a.iters, ctx=ctx, carry_last=True,
+                                  profile_dir=Path(a.profile) / f"{kernel}-M{M}" if a.profile else None))
+            net = row["layer_us"] * 1e-6
             if net > 0:
                 row.update({"GBps": weight_bytes / net / 1e9, "pct_copy_bw": 100 * weight_bytes / net / a.copy_bw})
             print(f"{kernel:6s} M={M:2d} {what:15s}: {row['layer_us']:7.1f} us per KDA layer call "
@@ -142,8 +139,6 @@ def main(argv=None) -> dict:
                   f"{a.copy_bw / 1e12:.2f} TB/s; loop overhead {row['loop_overhead_us']:.1f} us subtracted)"
                   + ("" if on_gpu else "  [not a GPU: smoke run, not a timing]"), flush=True)
             if a.profile:
-                row["kernels"] = profile_loop(f, sets, a.iters, Path(a.profile) / f"{kernel}-M{M}", ctx,
-                                              kw.get("per_iter", 8), carry_last=True)
                 print_table(row["kernels"])
             rows.append(row)
     rec = {"bench": "kda_layer_timing", "dtype": a.dtype, "dense_kernel": a.dense_kernel,

@@ -1,7 +1,8 @@
-"""The per-kernel table of a profiled in-loop benchmark (bench.moe_layer_timing, bench.mla_layer_timing):
-trace a `bench.common.loop_program` loop once and list, per XLA kernel of one call, the µs per call,
-the count per call, and what the kernel computes (the fused HLO opcodes and the jax source ops
-named in its metadata).
+"""The per-kernel table of a profiled in-loop benchmark (bench.moe_layer_timing, bench.mla_layer_timing,
+bench.kda_layer_timing): trace a `bench.common.loop_program` loop once and list, per XLA kernel of
+one call, the µs per call, the count per call, and what the kernel computes (the fused HLO opcodes
+and the jax source ops named in its metadata). `time_layer` is those benchmarks' shared row: the
+in-loop time of one layer call, and the table with a profile directory.
 """
 from __future__ import annotations
 
@@ -89,3 +90,22 @@ def print_table(rows: list[dict], what: str = "call") -> None:
     print(f"  {n:.0f} kernels, {tot:.1f} us of kernel time per {what}:")
     for r in rows:
         print(f"  {r['us_per_call']:7.2f} us x{r['count_per_call']:<5.2f} {r['kernel'][:34]:34s} {r['what']}")
+
+
+def time_layer(f, sets, iters: int, *, ctx=contextlib.nullcontext, carry_last: bool = False,
+               profile_dir: str | Path | None = None) -> dict:
+    """One layer benchmark row: f's in-loop seconds per call over the argument sets
+    (`bench.common.time_in_loop`, traced inside ctx()) minus the loop's own cost (`loop_overhead`),
+    as {layer_us, raw_us, loop_overhead_us}; with profile_dir also {kernels: `profile_loop`'s table}
+    (print it with `print_table`). Off a GPU one call per iteration and one repeat: a smoke run."""
+    import jax
+
+    from bench.common import loop_overhead, time_in_loop
+    kw = {} if jax.default_backend() == "gpu" else {"per_iter": 1, "repeats": 1}
+    with ctx():
+        overhead = loop_overhead(sets, iters, carry_last=carry_last, **kw)
+        t = time_in_loop(f, sets, iters, carry_last=carry_last, **kw)
+    row = {"layer_us": (t - overhead) * 1e6, "raw_us": t * 1e6, "loop_overhead_us": overhead * 1e6}
+    if profile_dir is not None:
+        row["kernels"] = profile_loop(f, sets, iters, profile_dir, ctx, kw.get("per_iter", 8), carry_last=carry_last)
+    return row

@@ -34,7 +34,7 @@ import contextlib
 from pathlib import Path
 
 from bench.common import COPY_BW_H200, add_layer_loop_args, choice_list, int_list
-from bench.kernel_table import print_table, profile_loop
+from bench.kernel_table import print_table, time_layer
 from lingjax import xla_env
 
 # bench.batch1's Decoder: cache of (prompt padded to whole prefill chunks) + max_new + drafts + 2 positions
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from bench.common import loop_overhead, save_result, time_in_loop
+    from bench.common import save_result
     from lingjax.cache import MLAState
     from lingjax.config import preset
     from lingjax.model import dense, kernels as kernel_ctx
@@ -158,7 +158,6 @@ def main(argv=None) -> dict:
 
     uses_pallas = a.dense_kernel == "pallas" or "pallas" in attn_kernels
     ctx = kernel_ctx.pallas_interpret if not on_gpu and uses_pallas else contextlib.nullcontext
-    kw = {} if on_gpu else {"per_iter": 1, "repeats": 1}
 
     def one_row(kernel, form, M) -> dict:
         """Time (and with --profile, trace) the layer on `kernel` (and Pallas `form`) at M tokens."""
@@ -167,25 +166,21 @@ def main(argv=None) -> dict:
         xs = [jax.random.normal(jax.random.PRNGKey(a.seed + 7 * M + i), (1, M, cfg.hidden_size),
                                 jnp.float32).astype(act) for i in range(a.layers)]
         sets = [(x, pos, st, c) for x, st, c in zip(xs, states, caches)]
-        with ctx():
-            overhead = loop_overhead(sets, a.iters, carry_last=True, **kw)
-            t = time_in_loop(f, sets, a.iters, carry_last=True, **kw)
-        net = t - overhead
+        used = mla_decode.warpgroups_for(lat, rope, cache_len) if kernel == "pallas" else None   # the form it ran
+        label = kernel + (f"-{used}wg" if kernel == "pallas" else "")
+        timed = time_layer(f, sets, a.iters, ctx=ctx, carry_last=True,
+                           profile_dir=Path(a.profile) / f"{label}-M{M}" if a.profile else None)
+        net = timed["layer_us"] * 1e-6
         cache_bytes = (a.context + M) * (lat + rope) * jnp.dtype(act).itemsize
         nbytes = weight_bytes + cache_bytes
-        used = mla_decode.warpgroups_for(lat, rope, cache_len) if kernel == "pallas" else None   # the form it ran
-        row = {"mla_kernel": kernel, "warpgroups": used, "M": M, "layer_us": net * 1e6, "raw_us": t * 1e6,
-               "loop_overhead_us": overhead * 1e6, "bytes": nbytes, "cache_bytes": cache_bytes}
+        row = {"mla_kernel": kernel, "warpgroups": used, "M": M, **timed, "bytes": nbytes, "cache_bytes": cache_bytes}
         if net > 0:
             row.update({"GBps": nbytes / net / 1e9, "pct_copy_bw": 100 * nbytes / net / a.copy_bw})
-        label = kernel + (f"-{used}wg" if kernel == "pallas" else "")
         print(f"{label:10s} M={M:2d}: {row['layer_us']:7.1f} us per MLA layer call at context {a.context} "
               f"({nbytes / 1e6:.1f} MB: {row.get('pct_copy_bw', float('nan')):.0f}% of {a.copy_bw / 1e12:.2f} TB/s; "
               f"loop overhead {row['loop_overhead_us']:.1f} us subtracted)"
               + ("" if on_gpu else "  [not a GPU: smoke run, not a timing]"), flush=True)
         if a.profile:
-            row["kernels"] = profile_loop(f, sets, a.iters, Path(a.profile) / f"{label}-M{M}", ctx,
-                                          kw.get("per_iter", 8), carry_last=True)
             print_table(row["kernels"])
         return row
 

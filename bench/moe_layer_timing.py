@@ -21,7 +21,7 @@ import contextlib
 from pathlib import Path
 
 from bench.common import add_layer_loop_args, choice_list, int_list
-from bench.kernel_table import fusion_summary, kernel_table, print_table, profile_loop  # noqa: F401 (re-exported)
+from bench.kernel_table import fusion_summary, kernel_table, print_table, profile_loop, time_layer  # noqa: F401 (re-exported)
 from lingjax import xla_env
 
 
@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from bench.common import loop_overhead, save_result, time_in_loop
+    from bench.common import save_result
     from lingjax.config import preset
     from lingjax.model import dense, kernels as kernel_ctx
     from lingjax.model.mlp import MoE, set_moe_kernel
@@ -88,18 +88,13 @@ def main(argv=None) -> dict:
             xs = [jax.random.normal(jax.random.PRNGKey(a.seed + 7 * M + i), (1, M, cfg.hidden_size),
                                     jnp.float32).astype(jnp.bfloat16) for i in range(a.layers)]
             sets = [(x, st) for x, st in zip(xs, states)]
-            kw = {} if on_gpu else {"per_iter": 1, "repeats": 1}
-            with ctx():
-                overhead = loop_overhead(sets, a.iters, **kw)
-                t = time_in_loop(f, sets, a.iters, **kw)
-            row = {"moe_kernel": kernel, "M": M, "layer_us": (t - overhead) * 1e6, "raw_us": t * 1e6,
-                   "loop_overhead_us": overhead * 1e6}
+            row = {"moe_kernel": kernel, "M": M}
+            row.update(time_layer(f, sets, a.iters, ctx=ctx,
+                                  profile_dir=Path(a.profile) / f"{kernel}-M{M}" if a.profile else None))
             print(f"{kernel:6s} M={M:2d}: {row['layer_us']:7.1f} us per MoE layer call "
                   f"(loop overhead {row['loop_overhead_us']:.1f} us subtracted)"
                   + ("" if on_gpu else "  [not a GPU: smoke run, not a timing]"), flush=True)
             if a.profile:
-                row["kernels"] = profile_loop(f, sets, a.iters, Path(a.profile) / f"{kernel}-M{M}", ctx,
-                                              kw.get("per_iter", 8))
                 print_table(row["kernels"])
             rows.append(row)
     rec = {"bench": "moe_layer_timing", "dtype": a.dtype, "layers": a.layers, "bias_std": a.bias_std,

@@ -24,3 +24,21 @@ def test_rejects_bad_arguments(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         kda_layer_timing.main(argv)
     assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_time_layer_row_with_a_profile(tmp_path):
+    """bench.kernel_table.time_layer (the layer benchmarks' shared row) on a toy layer with a
+    carried state: the timing fields, and with profile_dir the kernel table with the layer's dot."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from bench.kernel_table import time_layer
+
+    def f(x, w, cache):
+        return x @ w, lax.dynamic_update_slice_in_dim(cache, x, 3, axis=0)
+    sets = [(jnp.ones((2, 64), jnp.float32), jnp.ones((64, 64), jnp.float32), jnp.zeros((16, 64), jnp.float32))]
+    row = time_layer(f, sets, 2, carry_last=True, profile_dir=tmp_path / "prof")
+    assert row["raw_us"] > 0 and row["loop_overhead_us"] > 0
+    assert row["layer_us"] == pytest.approx(row["raw_us"] - row["loop_overhead_us"])
+    assert row["kernels"] and any("dot" in r["what"] for r in row["kernels"])
+    assert "kernels" not in time_layer(f, sets, 1, carry_last=True)
