@@ -143,8 +143,8 @@ def _merge_top_lists(a, b):
 def _top_lists(values, ids, k2: int, axis: int):
     """The top k2 (k2 a power of two) of `values` along `axis`, ties by `_beats`, as one XLA
     reduction whose combiner merges sorted lists: (values [.., k2], ids [.., k2]) descending, with
-    the axis removed and a trailing k2 axis. Entries beyond the axis' length come out as -inf with
-    an id past every real one."""
+    the axis removed and a trailing k2 axis. An axis shorter than k2 leaves its lists ending in
+    (-inf, the int dtype's max) padding, below every real entry."""
     pad_v = jnp.full(values.shape, -jnp.inf, values.dtype)
     pad_i = jnp.full(ids.shape, jnp.iinfo(ids.dtype).max, ids.dtype)
     operands = (values, *[pad_v] * (k2 - 1), ids, *[pad_i] * (k2 - 1))
