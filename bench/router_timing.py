@@ -6,9 +6,10 @@
 Ling-3.0-flash router: x [M, 2560] bf16 @ router [2560, 512] bf16, fp32 sigmoid scores plus a
 spread bias, 8 groups (top-2 sum), 4 groups kept, top-8 experts, normalised weights. Rows per M:
 `sort` (every top-k through jax.lax.top_k, a sort kernel on the GPU), `rank` (top_k_by_rank:
-comparisons and reductions, one 512 x 512 comparison per token for the final top-8; session 7) and
+comparisons and reductions, one 512 x 512 comparison per token for the final top-8; session 7),
 `grouped-rank` (grouped_top_k_by_rank: each group's top-8 by rank, then the top-8 of the 64
-group top-8s, the unkept groups' masked; the model's selection for M <= SORT_FREE_MAX_ROWS = 16),
+group top-8s, the unkept groups' masked; session 16) and `grouped-merge` (grouped_top_k_by_merge:
+the same as list-merging reductions; the model's selection for M <= SORT_FREE_MAX_ROWS = 16),
 µs per call inside one jitted loop (bench.common.time_in_loop, the loop's own per-call cost
 subtracted), and whether each gives the sorted selection's experts and weights for the same inputs.
 """

@@ -388,9 +388,8 @@ def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=N
         scale = scale.astype(_F32)
         if scale.ndim == 2:
             scale = scale[None]                  # one column group
-        groups = scale.shape[0] if scale.ndim == 3 else 0
-        if scale.ndim not in (2, 3) or scale.shape[1] != nk or groups * scale.shape[2] != nb or (
-                groups > 1 and N != groups * scale.shape[2] * BLOCK):
+        if scale.ndim != 3 or scale.shape[1] != nk or scale.shape[0] * scale.shape[2] != nb or (
+                scale.shape[0] > 1 and N != scale.shape[0] * scale.shape[2] * BLOCK):
             raise ValueError(f"scale {given} must be [K/128, ceil(N/128)] = {(nk, nb)} (one float32 "
                              "per 128 x 128 block of w), or [G, K/128, N/128/G] for G column groups of whole "
                              "128-column blocks (a stacked weight's scales as stored)")

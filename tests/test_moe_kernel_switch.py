@@ -133,17 +133,19 @@ def test_kernel_runs_only_for_decode_and_verify():
     assert n_kernels(xla, ids[:, PROMPT:PROMPT + 1]) == 0
 
 
-def test_merge_selection_gives_the_same_run(monkeypatch):
-    """moe.SMALL_SELECTION = "grouped-merge" (the router's selection as list-merging reductions):
-    the Pallas model's decode and verify logits bit for bit as with "grouped-rank" (the same experts,
-    the same order), the merge traced once per MoE layer of each forward."""
+def test_rank_selection_gives_the_same_run(monkeypatch):
+    """The router's two sort-free selections: with moe.SMALL_SELECTION = "grouped-rank" instead of the
+    default "grouped-merge" (list-merging reductions), the Pallas model's decode and verify logits are
+    bit for bit the same (the same experts, the same order); the rank selection traced once per MoE
+    layer of each forward."""
     from lingjax.ops import moe as moe_ops
+    assert moe_ops.SMALL_SELECTION == "grouped-merge"          # what runs() computed with
     _, p = runs("fp8")
     pallas = models("fp8")[1]
     calls = []
-    merge = moe_ops.grouped_top_k_by_merge
-    monkeypatch.setattr(moe_ops, "SMALL_SELECTION", "grouped-merge")
-    monkeypatch.setattr(moe_ops, "grouped_top_k_by_merge", lambda *a: calls.append(1) or merge(*a))
+    rank = moe_ops.grouped_top_k_by_rank
+    monkeypatch.setattr(moe_ops, "SMALL_SELECTION", "grouped-rank")
+    monkeypatch.setattr(moe_ops, "grouped_top_k_by_rank", lambda *a: calls.append(1) or rank(*a))
     ids = _ids()
     dec = kernel_forward(pallas, ids[:, PROMPT:PROMPT + 1], p["cache"])
     ver = kernel_forward(pallas, ids[:, PROMPT:], p["cache"], pending=True)

@@ -111,7 +111,7 @@ def test_top_k_by_rank_is_lax_top_k(n, k, dtype):
 @pytest.mark.parametrize("selection", ["rank", "grouped-rank", "grouped-merge"])
 @pytest.mark.parametrize("coarse", [False, True])
 def test_sort_free_routing_is_the_sorted_routing(selection, coarse):
-    """route(selection="rank" / "grouped-rank") and route(selection="sort"): the same experts in the
+    """route(selection="rank" / "grouped-rank" / "grouped-merge") and route(selection="sort"): the same experts in the
     same order and the same weights for the same tokens (Ling-3.0-flash router shape, spread bias;
     coarse: scores on a 1/8 grid, so that ties inside and across groups decide); the default
     follows SORT_FREE_MAX_ROWS."""
