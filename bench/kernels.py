@@ -10,6 +10,8 @@ input projection and its output norm: conv + SiLU, L2 norms, gate, the recurrenc
   verify  T=9   kda_fused_step_pallas (o)              vs conv ... + kda_chunked             (the XLA verify path)
   verify  T=16  kda_fused_step_pallas (o)              vs conv ... + kda_chunked
   commit  T=9   kda_fused_step_pallas (state, n=5)     vs conv ... + kda_state_after_prefix (accepted prefix n=5)
+A decode or commit has two kernel rows: a new state array, and ``in place`` (state_in_place=True: the
+kernel overwrites its state operand, as the model runs it).
 
 Time: `call` = median of --iters jitted calls, each blocked on (includes dispatch); `loop` = one
 jitted lax.fori_loop of --iters calls, 8 per loop iteration (the loop's own cost spread over them),
@@ -131,15 +133,20 @@ def impls(case: Case, V: int, block_vs, interpret) -> list[tuple[str, Callable]]
             lambda xs, s: xla_path(case, xs, s))]
     for bv in block_vs:
         label = f"pallas bv={kf.pick_block_v(V, bv)}"
-        if case.commit:
-            fn = lambda xs, s, bv=bv: (kf.kda_fused_step_pallas(*xs, s, jnp.int32(COMMIT_N), write_o=False,
-                                                                 block_v=bv, interpret=interpret)[1],)
-        elif case.verify:
-            fn = lambda xs, s, bv=bv: _chain(kf.kda_fused_step_pallas(*xs, s, write_state=False, block_v=bv,
-                                                                       interpret=interpret)[0], s)
-        else:
-            fn = lambda xs, s, bv=bv: kf.kda_fused_step_pallas(*xs, s, block_v=bv, interpret=interpret)
-        out.append((label, fn))
+        if case.verify:
+            out.append((label, lambda xs, s, bv=bv: _chain(kf.kda_fused_step_pallas(
+                *xs, s, write_state=False, block_v=bv, interpret=interpret)[0], s)))
+            continue
+        for in_place in (False, True):      # the model updates the state in place (kda.STATE_IN_PLACE)
+            tag = label + (" in place" if in_place else "")
+            if case.commit:
+                fn = lambda xs, s, bv=bv, ip=in_place: (kf.kda_fused_step_pallas(
+                    *xs, s, jnp.int32(COMMIT_N), write_o=False, block_v=bv, state_in_place=ip,
+                    interpret=interpret)[1],)
+            else:
+                fn = lambda xs, s, bv=bv, ip=in_place: kf.kda_fused_step_pallas(
+                    *xs, s, block_v=bv, state_in_place=ip, interpret=interpret)
+            out.append((tag, fn))
     return out
 
 
@@ -243,16 +250,16 @@ def _fmt(x, spec):
 
 def print_table(rows, copy_bw):
     print(f"\ndevice copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)")
-    head = (f"{'case':7s} {'T':>3s} {'impl':28s} {'us/call':>9s} {'us/loop':>9s} {'floor us':>9s} "
+    head = (f"{'case':7s} {'T':>3s} {'impl':30s} {'us/call':>9s} {'us/loop':>9s} {'floor us':>9s} "
             f"{'%floor':>7s} {'max|do|':>9s} {'max|ds|':>9s} {'relo':>8s} {'rels':>8s} "
             f"{'rmse o64':>9s} {'rmse s64':>9s}")
     print(head)
     print("-" * len(head))
     for r in rows:
         if "error" in r:
-            print(f"{r['case']:7s} {r['T']:3d} {r['impl']:28s} FAILED: {r['error'][:200]}")
+            print(f"{r['case']:7s} {r['T']:3d} {r['impl']:30s} FAILED: {r['error'][:200]}")
             continue
-        print(f"{r['case']:7s} {r['T']:3d} {r['impl']:28s} {r['us_call']:9.2f} {r['us_loop']:9.2f} "
+        print(f"{r['case']:7s} {r['T']:3d} {r['impl']:30s} {r['us_call']:9.2f} {r['us_loop']:9.2f} "
               f"{r['floor_us']:9.3f} {r['pct_floor_loop']:6.1f}% {_fmt(r['max_abs_o'], '9.2e')} "
               f"{_fmt(r['max_abs_s'], '9.2e')} {_fmt(r['max_rel_o'], '8.1e')} {_fmt(r['max_rel_s'], '8.1e')} "
               f"{_fmt(r['rmse_o_f64'], '9.1e')} {_fmt(r['rmse_s_f64'], '9.1e')}")

@@ -18,8 +18,12 @@ def test_kernels_smoke(tmp_path, capsys):
     saved = json.loads(open(rec["result_path"]).read())
     assert saved["interpret"] and saved["shape"] == {"B": 1, "H": 2, "K": 64, "V": 64} and "env" in saved
     rows = saved["rows"]
-    assert [(r["case"], r["T"]) for r in rows[::2]] == [("decode", 1), ("verify", 9), ("verify", 16), ("commit", 9)]
-    assert [r["impl"] for r in rows[:2]] == ["xla kda_step", "pallas bv=16"]
+    assert [(r["case"], r["T"], r["impl"]) for r in rows] == [
+        ("decode", 1, "xla kda_step"), ("decode", 1, "pallas bv=16"), ("decode", 1, "pallas bv=16 in place"),
+        ("verify", 9, "xla kda_chunked"), ("verify", 9, "pallas bv=16"),
+        ("verify", 16, "xla kda_chunked"), ("verify", 16, "pallas bv=16"),
+        ("commit", 9, "xla kda_state_after_prefix"), ("commit", 9, "pallas bv=16"),
+        ("commit", 9, "pallas bv=16 in place")]
     for r in rows:
         assert r["us_call"] > 0 and r["us_loop"] > 0 and r["bytes"] > 2 * 64 * 64 * 4
         verify = r["case"] == "verify"
@@ -59,6 +63,8 @@ def test_failing_kernel_variant_is_recorded_not_fatal(tmp_path, capsys, monkeypa
     monkeypatch.setattr(kda_step_fused, "kda_fused_step_pallas", broken)
     rec = kernels.main(["--interpret", "--iters", "1", "--no-xla-defaults", "--copy-mib", "4", "--out", str(tmp_path)])
     rows = rec["rows"]
-    assert len(rows) == 8 and all("error" not in r for r in rows[::2])
-    assert all("ptxas: too many resources" in r["error"] for r in rows[1::2])
-    assert capsys.readouterr().out.count("FAILED: RuntimeError") == 4
+    xla = [r for r in rows if r["impl"].startswith("xla")]
+    pallas = [r for r in rows if r["impl"].startswith("pallas")]
+    assert len(xla) == 4 and len(pallas) == 6 and all("error" not in r for r in xla)
+    assert all("ptxas: too many resources" in r["error"] for r in pallas)
+    assert capsys.readouterr().out.count("FAILED: RuntimeError") == 6
