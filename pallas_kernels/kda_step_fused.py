@@ -14,6 +14,8 @@ path computes for these T):
     n       int32 scalar     tokens t >= n are identity updates (committing an accepted prefix of a
                              verified block); None: all T tokens
     -> (o [B, T, H, V] float32 or None, state [B, H, K, V] float32 or None)   (write_o / write_state)
+       and with write_window=True a third output, the conv window after the block (or after its
+       first n tokens): window' [B, W, 3, H, K] = rows n .. n+W-1 of window ++ proj[:, :, :3]
 
 Per token t (spec kda.md): for c in q, k, v: x_c = silu(sum_j conv_w[j, c] * r_{t+j}(c)) over the
 rows r of window ++ proj, in float32 throughout (the XLA path of a bf16 model rounds some of these
@@ -52,9 +54,14 @@ Design
   SMEM, then one TMA store each for o and the state (read once, written once per block). A verify
   skips the state store (write_state=False: its final state is never used), a commit the o store.
 
+* ``write_window`` (session 21): the new conv window, rows n .. n+W-1 of window ++ proj, comes
+  out of the kernel (it has those rows in SMEM already) instead of an XLA slice kernel after it:
+  each program copies its head's v columns of those rows through a [W, bv] SMEM stage (a TMA
+  store of rows at a dynamic SMEM offset would need 128-byte-aligned starts), the first column
+  block's program the q and k rows through a [W, 2, K] stage.
+
 What stays in XLA around it (lingjax/model/kda.py): the projection GEMMs, beta = sigmoid(x w_beta),
-the conv window update (a slice of window ++ proj), the gated output RMSNorm (it needs the whole
-head's V columns, which four programs share).
+the gated output RMSNorm (it needs the whole head's V columns, which four programs share).
 
 * A commit (``write_o=False`` with ``n``) runs both loops over its n accepted tokens only: the
   rest would be identity updates (session 19: 12.6 -> 8.4 us per commit call in the full-depth
@@ -109,7 +116,7 @@ def _sigmoid(x):
 
 def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=None, *,
                           safe_gate=True, lower_bound=-5.0, scale=None, write_o=True, write_state=True,
-                          block_v=None, state_in_place=False, interpret=False):
+                          block_v=None, state_in_place=False, write_window=False, interpret=False):
     """Conv + gate + norms + KDA recurrence over T = 1..16 tokens; see the module docstring.
 
     ``state_in_place`` (with write_state; the model's default since session 19, lingjax.model.kda): the
@@ -117,8 +124,11 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
     tile (it has read that tile first), so the kernel's state output aliases its state operand
     (the mosaic_gpu call's output_operand_aliases) instead of being a fresh buffer that a decode
     loop must copy into its carried state. The same values.
+    ``write_window``: also return the conv window after the block (or after its first n tokens),
+    [B, W, 3, H, K] in proj's dtype, as a third output.
     ``interpret``: False (compile for the GPU), or a ``plgpu.InterpretGPUParams`` (CPU simulation).
-    Returns (o [B,T,H,V] float32 or None, state [B,H,K,V] float32 or None).
+    Returns (o [B,T,H,V] float32 or None, state [B,H,K,V] float32 or None), plus the window
+    [B,W,3,H,K] with write_window.
     """
     B, T, P, H, K = proj.shape
     ks = conv_w.shape[0]
@@ -170,9 +180,10 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
 
     def body(*refs):
         proj_g, projv_g, win_g, winv_g, cw_g, cwv_g, alog_g, dtb_g, beta_g, n_g, s_g = refs[:11]
-        outs = refs[11:11 + write_o + state_out]
+        n_out = write_o + state_out + write_window
+        outs = refs[11:11 + n_out]
         (qk_s, f_s, v_s, cw_s, cwv_s, dtb_s, beta_s, st_s,
-         q_s, k_s, kb_s, g_s, vb_s, o_s, bars) = refs[11 + write_o + state_out:]
+         q_s, k_s, kb_s, g_s, vb_s, o_s, bars, *win_s) = refs[11 + n_out:]
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         j = lax.axis_index("v")
@@ -227,6 +238,16 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             return carry
 
         lax.fori_loop(0, steps, prep, jnp.int32(0))
+        if write_window:         # rows n .. n+W-1 of window ++ proj, staged for the TMA stores below
+            wqk_s, wv_s = win_s
+            for r in range(W):
+                wv_s[r] = plgpu.load(v_s.at[n_valid + r, j], layout=col)
+
+            @pl.when(j == 0)
+            def _():
+                for r in range(W):
+                    for c in range(2):
+                        wqk_s[r, c] = plgpu.load(qk_s.at[n_valid + r, c], layout=row)
         plgpu.commit_smem()                           # the rows above are read in other layouts below
         plgpu.barrier_wait(bars.at[len(srcs) - 1])
 
@@ -248,11 +269,19 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         if write_o:
             plgpu.copy_smem_to_gmem(o_s, outs[0].at[b, :, h, cols])
         if write_state:      # in place: over the tile this program read at its start (s_g)
-            plgpu.copy_smem_to_gmem(st_s, (s_g if state_in_place else outs[-1]).at[b, h, :, cols])
+            plgpu.copy_smem_to_gmem(st_s, (s_g if state_in_place else outs[write_o]).at[b, h, :, cols])
+        if write_window:
+            win_g = outs[-1]
+            plgpu.copy_smem_to_gmem(wv_s, win_g.at[b, :, 2, h, cols])
+
+            @pl.when(j == 0)
+            def _():
+                plgpu.copy_smem_to_gmem(wqk_s, win_g.at[b, :, pl.ds(0, 2), h, :])
         plgpu.wait_smem_to_gmem(0)
 
     out_type = ((jax.ShapeDtypeStruct((B, T, H, V), f32),) * write_o
-                + (jax.ShapeDtypeStruct((B, H, K, V), f32),) * state_out)
+                + (jax.ShapeDtypeStruct((B, H, K, V), f32),) * state_out
+                + (jax.ShapeDtypeStruct((B, W, 3, H, K), dt),) * write_window)
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
@@ -272,6 +301,8 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             plgpu.SMEM((T, bv), f32),           # beta v
             plgpu.SMEM((T, bv), f32),           # o
             plgpu.Barrier(num_barriers=10),
+            *((plgpu.SMEM((W, 2, K), dt),        # the new window's q, k rows (first column block)
+               plgpu.SMEM((W, bv), dt)) if write_window else ()),   # its v columns of this block
         ),
         grid=(B, H, V // bv),
         grid_names=("b", "h", "v"),
@@ -284,4 +315,4 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     o = outs.pop(0) if write_o else None
     s = outs.pop(0) if state_out else (state_arg[...] if state_in_place else None)
-    return o, s
+    return (o, s, outs.pop(0)) if write_window else (o, s)

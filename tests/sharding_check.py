@@ -409,13 +409,20 @@ def _kda_reference_kernels():
     from lingjax.ops import kda as kda_ops
     shapes = []
 
-    def step(*args, interpret=False, state_in_place=False, **settings):
+    def step(*args, interpret=False, state_in_place=False, write_window=False, **settings):
         # state_in_place only says where the kernel writes the new state; the values are the same
         shapes.append(list(args[0].shape))          # proj [B, T, 5, H, K]
-        return kda_ops.kda_fused_step(*args, **settings)
+        o, s = kda_ops.kda_fused_step(*args, **settings)
+        if not write_window:
+            return o, s
+        proj, window = args[0], args[1]             # the window after the first n tokens (all: n absent)
+        n = args[7] if len(args) > 7 else proj.shape[1]
+        rows = jax.numpy.concatenate([window, proj[:, :, :3].astype(window.dtype)], axis=1)
+        return o, s, jax.lax.dynamic_slice_in_dim(rows, n, window.shape[1], axis=1)
 
     return dict(_fused_decode=step, _fused_verify=lambda *a, **kw: step(*a, **kw)[0],
-                _fused_commit=lambda *a, **kw: step(*a, **kw)[1]), shapes
+                _fused_commit=lambda *a, **kw: (step(*a, **kw)[1:] if kw.get("write_window")
+                                                else step(*a, **kw)[1])), shapes
 
 
 def kda_kernel():

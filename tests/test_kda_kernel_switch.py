@@ -70,9 +70,10 @@ def _run_model(model) -> dict:
         committed = jax.jit(commit)(ver.cache, ver.pending, jnp.int32(2), pre.cache.pos)
         after = fwd(ids[:, PROMPT + 2:PROMPT + 3], committed)
     states = [c.state for c in committed.layers if isinstance(c, KDAState)]
+    windows = [np.asarray(c.conv) for c in (*committed.layers, *cache.layers) if isinstance(c, KDAState)]
     return dict(prefill=np.asarray(pre.logits[0]), decode=np.stack(decode),
                 verify=np.asarray(ver.logits[0]), after=np.asarray(after.logits[0, 0]),
-                pending=ver.pending, states=states, pos=int(committed.pos))
+                pending=ver.pending, states=states, windows=windows, pos=int(committed.pos))
 
 
 BF16 = jnp.bfloat16
@@ -207,6 +208,24 @@ def test_state_in_place_gives_the_same_run(monkeypatch):
         np.testing.assert_array_equal(q[key], p[key])
     for sq, sp in zip(q["states"], p["states"], strict=True):
         np.testing.assert_array_equal(np.asarray(sq), np.asarray(sp))
+
+
+def test_window_from_kernel_gives_the_same_run(monkeypatch):
+    """kda.WINDOW_FROM_KERNEL on (the decode step and the commit write the new conv window) and off
+    (an XLA slice of window ++ projection): the same logits, states and conv windows (after the
+    commit and after the decode steps), bit for bit."""
+    from lingjax.model import kda
+    x, p = runs()                                   # the default (on)
+    assert kda.WINDOW_FROM_KERNEL
+    monkeypatch.setattr(kda, "WINDOW_FROM_KERNEL", False)
+    q = _run_model(models()[1])
+    for key in ("decode", "verify", "after"):
+        np.testing.assert_array_equal(q[key], p[key])
+    for a, b in zip(q["states"], p["states"], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b, c in zip(q["windows"], p["windows"], x["windows"], strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert rel(b, c) <= TOL                     # the XLA model's (its projections round differently)
 
 
 def test_verify_then_commit_equals_plain_decode():

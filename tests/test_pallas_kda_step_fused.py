@@ -146,6 +146,35 @@ def test_interpret_state_in_place_equals_a_state_output():
         kda_fused_step_pallas(*args, write_state=False, state_in_place=True, interpret=INTERPRET)
 
 
+def _window_after(args, n):
+    """The conv window after the first n tokens (all T: n None): the model's XLA slice."""
+    proj, window = args[0], args[1]
+    rows = jnp.concatenate([window, proj[:, :, :3]], axis=1)
+    return jax.lax.dynamic_slice_in_dim(rows, proj.shape[1] if n is None else n, window.shape[1], axis=1)
+
+
+@pytest.mark.parametrize("T,n,write_o,in_place,dtype,block_v", [
+    (1, None, True, False, BF16, 16),       # a decode step
+    (1, None, True, True, F32, None),
+    (5, 0, False, True, BF16, 16),          # commits of an accepted prefix: none, some, all
+    (5, 2, False, False, BF16, None),
+    (5, 5, False, True, F32, 32),
+])
+@interpret_only
+def test_interpret_window_output(T, n, write_o, in_place, dtype, block_v):
+    """write_window: the third output is the window after the first n tokens (bit for bit: a copy),
+    and o / state are those of the call without it."""
+    args = _inputs(2, T, 2, 64, dtype=dtype, seed=20 + T + (n or 0))
+    o, s, w = _run(args, n, write_o=write_o, state_in_place=in_place, block_v=block_v, write_window=True)
+    assert w.shape == args[1].shape and w.dtype == args[0].dtype
+    np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(_window_after(args, n), np.float32))
+    o_ref, s_ref = _run(args, n, write_o=write_o, block_v=block_v)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+    if write_o:
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+
+
+
 def test_rejects_bad_inputs():
     args = _inputs(1, 2, 1, 64)
     proj, window, conv_w, A_log, dt_bias, beta, state = args
@@ -182,6 +211,15 @@ def test_state_in_place_cross_lowers_with_an_alias(T, write_o):
     fn = jax.jit(lambda *a: kda_fused_step_pallas(*a, jnp.int32(T), write_o=write_o, state_in_place=True))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "output_operand_aliases" in text
+
+
+@pytest.mark.parametrize("T,write_o", [(1, True), (9, False)])
+def test_window_output_cross_lowers(T, write_o):
+    """write_window at the Ling shape (a decode step, a commit) with the state in place."""
+    args = _inputs(1, T, 32, 128, dtype=BF16)
+    fn = jax.jit(lambda *a: kda_fused_step_pallas(*a, jnp.int32(max(T // 2, 1)), write_o=write_o,
+                                                  state_in_place=True, write_window=True))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_own_barriers_build_cross_lowers(monkeypatch):
@@ -223,6 +261,20 @@ def test_gpu_state_in_place_equals_a_state_output(T, n, write_o):
     args = _inputs(1, T, 32, 128, dtype=BF16, seed=200 + T)
     o_ref, s_ref = _run(args, n, interpret=False, write_o=write_o)
     o, s = _run(args, n, interpret=False, write_o=write_o, state_in_place=True)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+    if write_o:
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+
+
+@gpu_only
+@pytest.mark.parametrize("T,n,write_o", [(1, None, True), (9, 5, False), (9, 0, False)])
+def test_gpu_window_output(T, n, write_o):
+    """write_window on the H200 at the Ling shape: the window after n tokens, bit for bit, and the
+    same o / state as without it."""
+    args = _inputs(1, T, 32, 128, dtype=BF16, seed=300 + T)
+    o, s, w = _run(args, n, interpret=False, write_o=write_o, state_in_place=True, write_window=True)
+    np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(_window_after(args, n), np.float32))
+    o_ref, s_ref = _run(args, n, interpret=False, write_o=write_o)
     np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
     if write_o:
         np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))

@@ -84,6 +84,14 @@ _STEP_HEAD_AXES = (3, 3, 2, 0, 0, 2, 1)
 # used under a device mesh (the kernels under shard_map keep a separate state output: the in-place
 # form has not run on several GPUs).
 STATE_IN_PLACE = True
+# The fused decode step and the commit also write the conv window after the block (or after the
+# accepted prefix) from the rows they hold in SMEM (`kda_fused_step_pallas(write_window=True)`)
+# instead of an XLA slice kernel after them: one kernel less per KDA layer and step, the same
+# values (a copy). A trace-time setting for A/B runs.
+WINDOW_FROM_KERNEL = True
+
+# (ndim, heads dim) of the fused step's outputs: o [B,T,H,V], state [B,H,K,V], window [B,W,3,H,K]
+_O_HEADS, _STATE_HEADS, _WINDOW_HEADS = (4, 2), (4, 1), (5, 3)
 
 
 def _state_in_place() -> bool:
@@ -92,7 +100,7 @@ def _state_in_place() -> bool:
 
 
 def _fused_decode(*args, **settings):
-    """(o, state) of a decode step (pallas_kernels.kda_step_fused)."""
+    """(o, state[, window]) of a decode step (pallas_kernels.kda_step_fused)."""
     return kda_step_fused.kda_fused_step_pallas(*args, **settings)
 
 
@@ -102,8 +110,10 @@ def _fused_verify(*args, **settings):
 
 
 def _fused_commit(*args, **settings):
-    """The state after the accepted prefix of a verified block; its outputs are not written."""
-    return kda_step_fused.kda_fused_step_pallas(*args, write_o=False, **settings)[1]
+    """The state (and with write_window the conv window) after the accepted prefix of a verified
+    block; its outputs are not written."""
+    out = kda_step_fused.kda_fused_step_pallas(*args, write_o=False, **settings)
+    return out[1:] if settings.get("write_window") else out[1]
 
 
 def check_kda_kernel(kernel: str, cfg: LingConfig | None = None, dtype=None) -> str:
@@ -187,8 +197,9 @@ class KDA(nnx.Module):
         conv_in = jnp.concatenate([cache.conv, proj[:, :, :3]], axis=1)     # [B, ks-1+T, 3, H, K]
         beta = jax.nn.sigmoid(jnp.dot(x.astype(acc), self.w_beta[...].astype(acc)))   # [B, T, H]
         s0 = widen_state(cache.state, acc)
+        window = None               # the conv window after the block, when the fused step writes it
         if self._step_kernel(t, pending):
-            o, s = self._fused_step(proj, cache, beta, s0, pending, valid_len)
+            o, s, window = self._fused_step(proj, cache, beta, s0, pending, valid_len)
         else:
             q, k, v, g = kda_ops.kda_block_inputs(conv_in, proj[:, :, 3], self.conv[...], self.A_log[...],
                                                   self.dt_bias[...], safe_gate=cfg.kda_safe_gate,
@@ -215,6 +226,8 @@ class KDA(nnx.Module):
         ks = cfg.short_conv_kernel_size
         if ks == 1:
             return y, KDAState(s, cache.conv)
+        if window is not None:
+            return y, KDAState(s, window.astype(cache.conv.dtype))
         if valid_len is not None:
             return y, KDAState(s, jax.lax.dynamic_slice_in_dim(conv_in, valid_len, ks - 1, axis=1))
         return y, KDAState(s, conv_in[:, t:t + ks - 1])
@@ -228,16 +241,22 @@ class KDA(nnx.Module):
         return self.conv[...], self.A_log[...], self.dt_bias[...]
 
     def _fused_step(self, proj, cache: KDAState, beta, s0, pending: bool, valid_len):
-        """The fused Pallas step: (o [B, T, H, V], state after the block, or None for a verify)."""
+        """The fused Pallas step: (o [B, T, H, V], state after the block, conv window after it), the
+        last two None for a verify; the window also None unless WINDOW_FROM_KERNEL."""
         cfg = self.cfg
         args, head_axes = (proj, cache.conv, *self._step_params(), beta, s0), _STEP_HEAD_AXES
         settings = dict(safe_gate=cfg.kda_safe_gate, lower_bound=float(cfg.kda_lower_bound))
         if pending:
-            return _pallas(_fused_verify, *args, head_axes=head_axes, out_head_axes=(4, 2), **settings), None
+            return _pallas(_fused_verify, *args, head_axes=head_axes, out_head_axes=_O_HEADS, **settings), None, None
         if valid_len is not None:          # padded tokens become identity updates
             args, head_axes = args + (jnp.asarray(valid_len, jnp.int32),), head_axes + (None,)
-        return _pallas(_fused_decode, *args, head_axes=head_axes, out_head_axes=((4, 2), (4, 1)),
+        if WINDOW_FROM_KERNEL:
+            return _pallas(_fused_decode, *args, head_axes=head_axes,
+                           out_head_axes=(_O_HEADS, _STATE_HEADS, _WINDOW_HEADS),
+                           state_in_place=_state_in_place(), write_window=True, **settings)
+        o, s = _pallas(_fused_decode, *args, head_axes=head_axes, out_head_axes=(_O_HEADS, _STATE_HEADS),
                        state_in_place=_state_in_place(), **settings)
+        return o, s, None
 
     def _prefill_kernel(self, t: int, pending: bool, dtype) -> bool:
         """Whether a forward of t tokens runs the chunked prefill kernel (module docstring)."""
@@ -270,9 +289,14 @@ def commit_prefix(p: KDAPending | KDAPendingFused, n) -> KDAState:
     ks1 = p.start.conv.shape[1]
     if isinstance(p, KDAPendingFused):
         s0 = widen_state(p.start.state, p.A_log.dtype)     # A_log is in the accumulation dtype
-        s = _pallas(_fused_commit, p.proj, p.start.conv, p.conv_w, p.A_log, p.dt_bias, p.beta, s0,
-                    jnp.asarray(n, jnp.int32), head_axes=_STEP_HEAD_AXES + (None,), out_head_axes=(4, 1),
-                    safe_gate=p.safe_gate, lower_bound=p.lower_bound, state_in_place=_state_in_place())
+        args = (p.proj, p.start.conv, p.conv_w, p.A_log, p.dt_bias, p.beta, s0, jnp.asarray(n, jnp.int32))
+        settings = dict(head_axes=_STEP_HEAD_AXES + (None,), safe_gate=p.safe_gate, lower_bound=p.lower_bound,
+                        state_in_place=_state_in_place())
+        if WINDOW_FROM_KERNEL:
+            s, conv = _pallas(_fused_commit, *args, out_head_axes=(_STATE_HEADS, _WINDOW_HEADS),
+                              write_window=True, **settings)
+            return KDAState(store_state(s, p.start.state.dtype), conv.astype(p.start.conv.dtype))
+        s = _pallas(_fused_commit, *args, out_head_axes=_STATE_HEADS, **settings)
         conv_in = jnp.concatenate([p.start.conv, p.proj[:, :, :3]], axis=1)     # as in KDA.__call__
     else:
         s0 = widen_state(p.start.state, p.k.dtype)     # k is in the accumulation dtype
