@@ -4,9 +4,11 @@ from __future__ import annotations
 import contextlib
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 X_TOP_EXP = 15   # f16 token rows: each scaled by a power of two to max|x| in [2**14, 2**15)
+E_MIN = -100     # f16_rows' smallest row exponent (2**(X_TOP_EXP - E_MIN) and its inverse stay normal floats)
 # fp8 'async' schedules multiply each e4m3 value by f16(block scale * 2**SCALE_SHIFT) in registers:
 # normal f16 scales for blocks with max |w| in [2.7e-5, 64] (scale = max / 448); a block with max
 # |w| > 64 would overflow f16 to inf (a loud failure, not a silent one), smaller blocks lose precision
@@ -28,19 +30,27 @@ def store(ref, x):
         ref[...] = x
 
 
+def pow2(k):
+    """2.0 ** k as float32 for int32 k in [-126, 127] (a normal float), built from its bits: one
+    multiply by it scales exactly, where jnp.ldexp is ~20 integer ops and selects per element."""
+    return lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
+
+
 def f16_rows(x, rows: int):
     """Tokens for an f16 WGMMA operand next to e4m3 weights (sm_90 converts e4m3 -> f16 in
     hardware, not -> bf16). x [M, K] (used as bf16), M <= rows -> (xp [rows, K] float16, e [M]
-    int32): row m is x_bf16[m] * 2**(X_TOP_EXP - e[m]), e[m] the exponent of its max |x| (0 for
-    a row with inf / nan), so every bf16 value above ~2**-28 * max|x| is exact in f16; rows past
-    M are zeros. A product computed from row m is undone by ``2**(e[m] - X_TOP_EXP)``."""
+    int32): row m is x_bf16[m] * 2**(X_TOP_EXP - e[m]), e[m] the exponent of its max |x| (max |x|
+    in [2**(e-1), 2**e)) clipped to [E_MIN, 128], so every bf16 value above ~2**-28 * max|x| is
+    exact in f16 (below E_MIN every bf16 value is: its spacing, >= 2**-133, scales to >= 2**-18);
+    a row with an inf / nan gets e = 128 (its product is not finite either way); rows past M are
+    zeros. A product computed from row m is undone by ``pow2(e[m] - X_TOP_EXP)``."""
     M, K = x.shape
     xf = x.astype(jnp.bfloat16).astype(jnp.float32)
-    # one reduction: a row with an inf or nan has a non-finite max |x| (XLA's max propagates nan),
-    # whose frexp exponent is 0 (a separate isfinite().all() reduction was one more XLA kernel
-    # per call wherever XLA did not fuse the two)
-    _, e = jnp.frexp(jnp.max(jnp.abs(xf), axis=1))
-    xs = jnp.ldexp(xf, (X_TOP_EXP - e)[:, None]).astype(jnp.float16)
+    # the exponent from the max's bits: one reduction, no frexp (its zero / subnormal / non-finite
+    # selects), and with the clip both powers of two are normal floats (pow2)
+    biased = (lax.bitcast_convert_type(jnp.max(jnp.abs(xf), axis=1), jnp.int32) >> 23) & 0xFF
+    e = jnp.clip(biased - 126, E_MIN, 128)
+    xs = (xf * pow2(X_TOP_EXP - e)[:, None]).astype(jnp.float16)
     return jnp.zeros((rows, K), jnp.float16).at[:M].set(xs), e
 
 

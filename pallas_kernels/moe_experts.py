@@ -117,7 +117,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (ASYNC_K_MINOR, SCALE_SHIFT, X_TOP_EXP, a_operand, a_regs, f16_rows, load_fp8,
-                                    store, swizzled)
+                                    pow2, store, swizzled)
 
 __all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "moe_experts_pallas", "moe_split", "dedupe_experts", "weight_bytes"]
 
@@ -671,7 +671,7 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     if fp8:          # kernel 1 multiplies f16 tokens, each row scaled into f16's range
         xp, ex = f16_rows(x, MAX_M)
         shift = X_TOP_EXP + (SCALE_SHIFT if fp8_async else 0)
-        x_scale = jnp.zeros((MAX_M,), _F32).at[:M].set(jnp.ldexp(jnp.ones((M,), _F32), ex - shift))
+        x_scale = jnp.zeros((MAX_M,), _F32).at[:M].set(pow2(ex - shift))
     else:
         xp = jnp.zeros((MAX_M, D), _BF).at[:M].set(x.astype(_BF))
     su_gu = su_d = None

@@ -92,7 +92,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (ASYNC_K_MINOR, SCALE_SHIFT, X_TOP_EXP, a_operand, a_regs, f16_rows, load_fp8,
-                                    store, swizzled)
+                                    pow2, store, swizzled)
 
 __all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "SkinnyConfig", "skinny_gemm_config", "skinny_gemm_pallas",
            "skinny_gemm_reference", "weight_bytes"]
@@ -422,7 +422,7 @@ def skinny_gemm_pallas(x, w, scale=None, *, block_n=None, split_k=None, stages=N
     part = _kernel_call(xp, w, s_t, cfg, part_dtype, interpret, fp8_schedule, k_minor)   # [S, N, m_pad]
     y = (part[0] if cfg.split_k == 1 else part.sum(0))[:, :M].T          # [M, N]
     if fp8:
-        y = jnp.ldexp(y, (e - X_TOP_EXP)[:, None])
+        y = y * pow2(e - X_TOP_EXP)[:, None]
     return y.astype(out_dtype)
 
 
