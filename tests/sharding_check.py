@@ -443,13 +443,18 @@ def kda_kernel():
         return model, draft
     out = dict(ref={m: spec_tokens(*pair("xla", None), m)[0] for m in ("none", "dspark")}, meshes={})
     real = {name: getattr(kda_module, name) for name in ("_fused_decode", "_fused_verify", "_fused_commit")}
-    for (tp, ep), methods in (((2, 1), ("dspark",)), ((1, 2), ("dspark",)), ((2, 2), ("none", "dspark"))):
+    window_default = kda_module.WINDOW_FROM_KERNEL
+    # "+window": kda.WINDOW_FROM_KERNEL flipped from its default (the kernels' window output split too)
+    for (tp, ep), methods in (((2, 1), ("dspark",)), ((1, 2), ("dspark",)),
+                              ((2, 2), ("none", "dspark", "dspark+window"))):
         mesh = sharding.make_mesh(tp, ep, jax.devices()[: tp * ep])
         r = out["meshes"][f"{tp}x{ep}"] = {}
-        for m in methods:
+        for key in methods:
+            m = key.removesuffix("+window")
             stand_ins, shapes = _kda_reference_kernels()
             for name, fn in stand_ins.items():
                 setattr(kda_module, name, fn)
+            kda_module.WINDOW_FROM_KERNEL = window_default != key.endswith("+window")
             model, draft = pair("pallas", mesh)
             try:
                 with pallas_interpret():
@@ -457,8 +462,9 @@ def kda_kernel():
             finally:
                 for name, fn in real.items():
                     setattr(kda_module, name, fn)
+                kda_module.WINDOW_FROM_KERNEL = window_default
             rep = collective_report(hlo, model, tokens=9 if m == "dspark" else 1)
-            r[m] = dict(tokens=toks, equal=toks == out["ref"][m], call_heads=sorted({s[3] for s in shapes}),
+            r[key] = dict(tokens=toks, equal=toks == out["ref"][m], call_heads=sorted({s[3] for s in shapes}),
                         kda=rep["scopes"].get("kda", dict(n=0)), kda_blocks=rep["blocks"]["kda"],
                         state_bad=state_mismatches(state, mesh, model.cfg))
         if (tp, ep) == (2, 2):

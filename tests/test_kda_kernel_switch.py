@@ -215,9 +215,8 @@ def test_window_from_kernel_gives_the_same_run(monkeypatch):
     (an XLA slice of window ++ projection): the same logits, states and conv windows (after the
     commit and after the decode steps), bit for bit."""
     from lingjax.model import kda
-    x, p = runs()                                   # the default (on)
-    assert kda.WINDOW_FROM_KERNEL
-    monkeypatch.setattr(kda, "WINDOW_FROM_KERNEL", False)
+    x, p = runs()                                   # the default
+    monkeypatch.setattr(kda, "WINDOW_FROM_KERNEL", not kda.WINDOW_FROM_KERNEL)
     q = _run_model(models()[1])
     for key in ("decode", "verify", "after"):
         np.testing.assert_array_equal(q[key], p[key])

@@ -292,15 +292,16 @@ def test_fp8_decode_step_one_collective_per_block(multi):
 
 
 # ---- kda_kernel='pallas' on a mesh ----------------------------------------------------------------
-@pytest.mark.parametrize("mesh,method", [("2x1", "dspark"), ("1x2", "dspark"), ("2x2", "none"), ("2x2", "dspark")])
+@pytest.mark.parametrize("mesh,method", [("2x1", "dspark"), ("1x2", "dspark"), ("2x2", "none"), ("2x2", "dspark"),
+                                         ("2x2", "dspark+window")])
 def test_kda_kernel_split_over_heads(kda_multi, mesh, method):
     """The Pallas KDA kernel under shard_map: each call sees its device's heads (golden: 2 heads, so
     1 per device at tp=2, both at tp=1), greedy tokens equal the one-device XLA run, the state keeps
     its shardings, and the split adds no collective to the KDA blocks. On CPU the kernel body is an
     XLA stand-in with its signature (see sharding_check._kda_reference_kernels)."""
-    r = kda_multi["meshes"][mesh][method]
+    r = kda_multi["meshes"][mesh][method]     # "+window": kda.WINDOW_FROM_KERNEL flipped from its default
     tp = int(mesh.split("x")[0])
-    assert r["equal"], (r["tokens"], kda_multi["ref"][method])
+    assert r["equal"], (r["tokens"], kda_multi["ref"][method.removesuffix("+window")])
     assert r["call_heads"] == [2 // tp]
     assert r["state_bad"] == []
     assert r["kda"]["n"] <= r["kda_blocks"] and (tp > 1 or r["kda"]["n"] == 0), r["kda"]
