@@ -16,8 +16,13 @@ kernel overwrites its state operand, as the model runs it).
 Time: `call` = median of --iters jitted calls, each blocked on (includes dispatch); `loop` = one
 jitted lax.fori_loop of --iters calls, 8 per loop iteration (the loop's own cost spread over them),
 each taking the previous call's state and one of 4 input draws in turn (no dispatch, nothing
-loop-invariant to hoist), median of 3 runs / --iters; the chained 4 MiB state may stay in the L2. Warm-up
-(compile) runs are excluded. Floor = the bytes a call must move (state read, and written unless a
+loop-invariant to hoist), median of 3 runs / --iters; the chained 4 MiB state may stay in the L2;
+the loop's per-call input selection and plumbing are counted in. `net` (session 21) = the layer
+benchmarks' in-loop time (bench.kernel_table.time_layer: 8 calls per iteration over the 4 draws,
+each call carrying its own state from iteration to iteration, minus the loop's own per-call cost
+measured with a call that does nothing): the measure the whole-layer benchmarks use. --profile DIR
+adds, per row, the table of XLA / Mosaic kernels one call of that loop runs. Warm-up (compile) runs
+are excluded. Floor = the bytes a call must move (state read, and written unless a
 verify, inputs, outputs) / the device copy bandwidth measured in this run; `%floor` = floor time /
 measured time (the table shows it for `loop`, the JSON for both). Errors: max |kernel - XLA| (and
 relative to max |XLA|), and the relative RMSE of each row against the float64 reference
@@ -29,6 +34,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 from bench.common import int_list, time_fn
@@ -66,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="size of the bandwidth-probe array (default 1024 MiB on GPU, 8 otherwise)")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="trace each row's `net` loop once more into DIR/<case>-T<T>-<impl> and print the kernels "
+                         "of one call (bench.kernel_table)")
     ap.add_argument("--own-barriers", action="store_true",
                     help="compile the fused step without Pallas' automatic SMEM barriers (kda_step_fused.OWN_BARRIERS "
                          "= True; off by default: no full-depth gain measured) for an A/B")
@@ -200,7 +209,18 @@ def _rel_rmse(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
 
 
-def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: float) -> list[dict]:
+def as_layer_call(fn):
+    """fn(xs, s) -> outputs ending in the state, as the layer benchmarks' f(proj, ..., beta, state) ->
+    (out, state) for bench.kernel_table.time_layer (carry_last: the state carried per call)."""
+    def f(*args):
+        outs = fn(tuple(args[:-1]), args[-1])
+        return outs[0], outs[-1]
+    return f
+
+
+def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: float,
+             profile: str | None = None) -> list[dict]:
+    from bench.kernel_table import print_table, time_layer
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -219,6 +239,10 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
             t_call = time_fn(f, (xs, state), iters, 1)[0]
             # interpret mode (CPU smoke): one run of one call per loop trip, the times mean nothing
             t_loop = time_loop(fn, xs_sets, state, iters, **(dict(repeats=1, unroll=1) if interpret else {}))
+            prof = Path(profile) / f"{case.name}-T{case.T}-{label.replace(' ', '_').replace('=', '')}" if profile else None
+            net_draws = draws[:1] if interpret else draws       # interpret mode (smoke): one call per trip
+            net = time_layer(as_layer_call(fn), [(*d[0], d[1]) for d in net_draws], iters, carry_last=True,
+                             profile_dir=prof)
         except Exception as e:      # a kernel variant that fails to compile / run: record it, go on
             if ref_out is None:     # the XLA reference must work
                 raise
@@ -227,8 +251,10 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
         is_ref = ref_out is None
         if is_ref:
             ref_out = outs
-        row.update(us_call=t_call * 1e6, us_loop=t_loop * 1e6,
+        row.update(us_call=t_call * 1e6, us_loop=t_loop * 1e6, us_net=net["layer_us"],
+                   us_net_raw=net["raw_us"], loop_overhead_us=net["loop_overhead_us"],
                    pct_floor_call=100 * floor_s / t_call, pct_floor_loop=100 * floor_s / t_loop,
+                   pct_floor_net=100 * floor_s / max(net["layer_us"] * 1e-6, 1e-12),
                    rmse_s_f64=None if case.verify else _rel_rmse(outs[-1], s64),
                    rmse_o_f64=None if o64 is None else _rel_rmse(outs[0], o64))
         for name, i in (("s", -1), ("o", 0)):
@@ -239,6 +265,10 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
             d = float(np.abs(np.asarray(outs[i], np.float64) - ref).max())
             row[f"max_abs_{name}"] = d
             row[f"max_rel_{name}"] = d / max(float(np.abs(ref).max()), 1e-30)
+        if "kernels" in net:
+            row["kernels"] = net["kernels"]
+            print(f"{case.name} T={case.T} {label}: {net['layer_us']:.2f} us per call in the net loop")
+            print_table(net["kernels"])
         rows.append(row)
     return rows
 
@@ -250,7 +280,7 @@ def _fmt(x, spec):
 
 def print_table(rows, copy_bw):
     print(f"\ndevice copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)")
-    head = (f"{'case':7s} {'T':>3s} {'impl':30s} {'us/call':>9s} {'us/loop':>9s} {'floor us':>9s} "
+    head = (f"{'case':7s} {'T':>3s} {'impl':30s} {'us/call':>9s} {'us/loop':>9s} {'us/net':>8s} {'floor us':>9s} "
             f"{'%floor':>7s} {'max|do|':>9s} {'max|ds|':>9s} {'relo':>8s} {'rels':>8s} "
             f"{'rmse o64':>9s} {'rmse s64':>9s}")
     print(head)
@@ -259,12 +289,13 @@ def print_table(rows, copy_bw):
         if "error" in r:
             print(f"{r['case']:7s} {r['T']:3d} {r['impl']:30s} FAILED: {r['error'][:200]}")
             continue
-        print(f"{r['case']:7s} {r['T']:3d} {r['impl']:30s} {r['us_call']:9.2f} {r['us_loop']:9.2f} "
+        print(f"{r['case']:7s} {r['T']:3d} {r['impl']:30s} {r['us_call']:9.2f} {r['us_loop']:9.2f} {r['us_net']:8.2f} "
               f"{r['floor_us']:9.3f} {r['pct_floor_loop']:6.1f}% {_fmt(r['max_abs_o'], '9.2e')} "
               f"{_fmt(r['max_abs_s'], '9.2e')} {_fmt(r['max_rel_o'], '8.1e')} {_fmt(r['max_rel_s'], '8.1e')} "
               f"{_fmt(r['rmse_o_f64'], '9.1e')} {_fmt(r['rmse_s_f64'], '9.1e')}")
-    print("%floor: of the loop time; max|d.|, rel.: vs the XLA row of the case; rmse .64: relative RMSE "
-          "vs the float64 reference (a verify writes no state)\n")
+    print("%floor: of the loop time; us/net: in-loop minus the loop's own cost (module docstring); max|d.|, "
+          "rel.: vs the XLA row of the case; rmse .64: relative RMSE vs the float64 reference (a verify writes "
+          "no state)\n")
 
 
 def main(argv=None) -> dict:
@@ -293,7 +324,7 @@ def main(argv=None) -> dict:
     rows = []
     for case in CASES:
         print(f"{case.name} T={case.T} ...", file=sys.stderr, flush=True)
-        rows.extend(run_case(case, shape, block_vs, interpret, a.iters, copy_bw))
+        rows.extend(run_case(case, shape, block_vs, interpret, a.iters, copy_bw, a.profile))
     print_table(rows, copy_bw)
     rec = {"bench": "kernels", "shape": {**shape, "V": shape["K"]}, "interpret": a.interpret,
            "input_dtypes": {"proj,window,conv_w": "bfloat16", "A_log,dt_bias,beta,state": "float32"},

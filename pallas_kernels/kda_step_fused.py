@@ -56,9 +56,11 @@ Design
 
 * ``write_window`` (session 21): the new conv window, rows n .. n+W-1 of window ++ proj, comes
   out of the kernel (it has those rows in SMEM already) instead of an XLA slice kernel after it:
-  each program copies its head's v columns of those rows through a [W, bv] SMEM stage (a TMA
-  store of rows at a dynamic SMEM offset would need 128-byte-aligned starts), the first column
-  block's program the q and k rows through a [W, 2, K] stage.
+  each program copies its head's v columns of those rows through registers into a [W, bv] SMEM
+  stage (in the [W + T, nv, bv] v rows its columns are strided, which one TMA box cannot read),
+  the first column block's program the q and k rows into a [W, 2, K] stage; one TMA store each.
+  Interpret mode and cross-lowering only so far (not yet run on a GPU; the model's
+  ``kda.WINDOW_FROM_KERNEL`` is off until it has).
 
 What stays in XLA around it (lingjax/model/kda.py): the projection GEMMs, beta = sigmoid(x w_beta),
 the gated output RMSNorm (it needs the whole head's V columns, which four programs share).

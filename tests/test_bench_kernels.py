@@ -26,6 +26,7 @@ def test_kernels_smoke(tmp_path, capsys):
         ("commit", 9, "pallas bv=16 in place")]
     for r in rows:
         assert r["us_call"] > 0 and r["us_loop"] > 0 and r["bytes"] > 2 * 64 * 64 * 4
+        assert r["us_net_raw"] > 0 and r["us_net"] == pytest.approx(r["us_net_raw"] - r["loop_overhead_us"])
         verify = r["case"] == "verify"
         assert r["rmse_s_f64"] is None if verify else r["rmse_s_f64"] <= 1e-2    # XLA rows: bf16 rounding
         assert r["rmse_o_f64"] is None if r["case"] == "commit" else r["rmse_o_f64"] <= 1e-2
