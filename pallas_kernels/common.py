@@ -41,9 +41,11 @@ def f16_rows(x, rows: int):
     hardware, not -> bf16). x [M, K] (used as bf16), M <= rows -> (xp [rows, K] float16, e [M]
     int32): row m is x_bf16[m] * 2**(X_TOP_EXP - e[m]), e[m] the exponent of its max |x| (max |x|
     in [2**(e-1), 2**e)) clipped to [E_MIN, 128], so every bf16 value above ~2**-28 * max|x| is
-    exact in f16 (below E_MIN every bf16 value is: its spacing, >= 2**-133, scales to >= 2**-18);
-    a row with an inf / nan gets e = 128 (its product is not finite either way); rows past M are
-    zeros. A product computed from row m is undone by ``pow2(e[m] - X_TOP_EXP)``."""
+    exact in f16 (below E_MIN every normal bf16 value is: its spacing, >= 2**-133, scales to >=
+    2**-18; float32-subnormal values, |x| < 2**-126, become 0 where XLA flushes denormals, as on
+    the CPU and the GPU, where the frexp / ldexp form before session 21 kept them); a row with an
+    inf / nan gets e = 128 (its product is not finite either way); rows past M are zeros. A
+    product computed from row m is undone by ``pow2(e[m] - X_TOP_EXP)``."""
     M, K = x.shape
     xf = x.astype(jnp.bfloat16).astype(jnp.float32)
     # the exponent from the max's bits: one reduction, no frexp (its zero / subnormal / non-finite

@@ -446,7 +446,7 @@ def kda_kernel():
     window_default = kda_module.WINDOW_FROM_KERNEL
     # "+window": kda.WINDOW_FROM_KERNEL flipped from its default (the kernels' window output split too)
     for (tp, ep), methods in (((2, 1), ("dspark",)), ((1, 2), ("dspark",)),
-                              ((2, 2), ("none", "dspark", "dspark+window"))):
+                              ((2, 2), ("none", "dspark", "none+window", "dspark+window"))):
         mesh = sharding.make_mesh(tp, ep, jax.devices()[: tp * ep])
         r = out["meshes"][f"{tp}x{ep}"] = {}
         for key in methods:

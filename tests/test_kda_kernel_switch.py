@@ -67,7 +67,9 @@ def _run_model(model) -> dict:
             cache = o.cache
             decode.append(np.asarray(o.logits[0, 0]))
         ver = fwd_pending(ids[:, PROMPT:PROMPT + 4], pre.cache)
-        committed = jax.jit(commit)(ver.cache, ver.pending, jnp.int32(2), pre.cache.pos)
+        # a fresh function: jax.jit(commit) would reuse its trace from an earlier run with other
+        # trace-time settings (kda.STATE_IN_PLACE, kda.WINDOW_FROM_KERNEL)
+        committed = jax.jit(lambda *a: commit(*a))(ver.cache, ver.pending, jnp.int32(2), pre.cache.pos)
         after = fwd(ids[:, PROMPT + 2:PROMPT + 3], committed)
     states = [c.state for c in committed.layers if isinstance(c, KDAState)]
     windows = [np.asarray(c.conv) for c in (*committed.layers, *cache.layers) if isinstance(c, KDAState)]

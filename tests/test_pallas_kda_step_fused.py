@@ -159,6 +159,7 @@ def _window_after(args, n):
     (5, 0, False, True, BF16, 16),          # commits of an accepted prefix: none, some, all
     (5, 2, False, False, BF16, None),
     (5, 5, False, True, F32, 32),
+    (3, 2, True, True, BF16, 8),            # a padded decode (valid_len): o, state and window
 ])
 @interpret_only
 def test_interpret_window_output(T, n, write_o, in_place, dtype, block_v):
@@ -213,11 +214,11 @@ def test_state_in_place_cross_lowers_with_an_alias(T, write_o):
     assert "mosaic_gpu" in text and "output_operand_aliases" in text
 
 
-@pytest.mark.parametrize("T,write_o", [(1, True), (9, False)])
-def test_window_output_cross_lowers(T, write_o):
+@pytest.mark.parametrize("T,write_o,block_v", [(1, True, None), (9, False, None), (9, False, 16), (1, True, 8)])
+def test_window_output_cross_lowers(T, write_o, block_v):
     """write_window at the Ling shape (a decode step, a commit) with the state in place."""
     args = _inputs(1, T, 32, 128, dtype=BF16)
-    fn = jax.jit(lambda *a: kda_fused_step_pallas(*a, jnp.int32(max(T // 2, 1)), write_o=write_o,
+    fn = jax.jit(lambda *a: kda_fused_step_pallas(*a, jnp.int32(max(T // 2, 1)), write_o=write_o, block_v=block_v,
                                                   state_in_place=True, write_window=True))
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 

@@ -293,7 +293,7 @@ def test_fp8_decode_step_one_collective_per_block(multi):
 
 # ---- kda_kernel='pallas' on a mesh ----------------------------------------------------------------
 @pytest.mark.parametrize("mesh,method", [("2x1", "dspark"), ("1x2", "dspark"), ("2x2", "none"), ("2x2", "dspark"),
-                                         ("2x2", "dspark+window")])
+                                         ("2x2", "none+window"), ("2x2", "dspark+window")])
 def test_kda_kernel_split_over_heads(kda_multi, mesh, method):
     """The Pallas KDA kernel under shard_map: each call sees its device's heads (golden: 2 heads, so
     1 per device at tp=2, both at tp=1), greedy tokens equal the one-device XLA run, the state keeps
