@@ -220,7 +220,7 @@ def as_layer_call(fn):
 
 def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: float,
              profile: str | None = None) -> list[dict]:
-    from bench.kernel_table import print_table, time_layer
+    from bench import kernel_table
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -239,10 +239,10 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
             t_call = time_fn(f, (xs, state), iters, 1)[0]
             # interpret mode (CPU smoke): one run of one call per loop trip, the times mean nothing
             t_loop = time_loop(fn, xs_sets, state, iters, **(dict(repeats=1, unroll=1) if interpret else {}))
-            prof = Path(profile) / f"{case.name}-T{case.T}-{label.replace(' ', '_').replace('=', '')}" if profile else None
+            tag = f"{case.name}-T{case.T}-{label.replace(' ', '_').replace('=', '')}"
             net_draws = draws[:1] if interpret else draws       # interpret mode (smoke): one call per trip
-            net = time_layer(as_layer_call(fn), [(*d[0], d[1]) for d in net_draws], iters, carry_last=True,
-                             profile_dir=prof)
+            net = kernel_table.time_layer(as_layer_call(fn), [(*d[0], d[1]) for d in net_draws], iters,
+                                          carry_last=True, profile_dir=Path(profile) / tag if profile else None)
         except Exception as e:      # a kernel variant that fails to compile / run: record it, go on
             if ref_out is None:     # the XLA reference must work
                 raise
@@ -254,7 +254,7 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
         row.update(us_call=t_call * 1e6, us_loop=t_loop * 1e6, us_net=net["layer_us"],
                    us_net_raw=net["raw_us"], loop_overhead_us=net["loop_overhead_us"],
                    pct_floor_call=100 * floor_s / t_call, pct_floor_loop=100 * floor_s / t_loop,
-                   pct_floor_net=100 * floor_s / max(net["layer_us"] * 1e-6, 1e-12),
+                   pct_floor_net=100 * floor_s / (net["layer_us"] * 1e-6) if net["layer_us"] > 0 else None,
                    rmse_s_f64=None if case.verify else _rel_rmse(outs[-1], s64),
                    rmse_o_f64=None if o64 is None else _rel_rmse(outs[0], o64))
         for name, i in (("s", -1), ("o", 0)):
@@ -268,7 +268,7 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
         if "kernels" in net:
             row["kernels"] = net["kernels"]
             print(f"{case.name} T={case.T} {label}: {net['layer_us']:.2f} us per call in the net loop")
-            print_table(net["kernels"])
+            kernel_table.print_table(net["kernels"])
         rows.append(row)
     return rows
 
