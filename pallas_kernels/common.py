@@ -33,7 +33,7 @@ def store(ref, x):
 def pow2(k):
     """2.0 ** k as float32 for int32 k in [-126, 127] (a normal float), built from its bits: one
     multiply by it scales exactly, where jnp.ldexp is ~20 integer ops and selects per element."""
-    return lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
+    return lax.bitcast_convert_type((jnp.asarray(k, jnp.int32) + 127) << 23, jnp.float32)
 
 
 def f16_rows(x, rows: int):

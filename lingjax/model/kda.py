@@ -90,7 +90,7 @@ STATE_IN_PLACE = True
 # in the session-21 layer profile, run 81), the same values (a copy). Off until it has run on the
 # H200: written in session 21 after the last device call (interpret mode and cross-lowering pass,
 # and the model gives the same logits, states and windows either way on CPU); the next device
-# call is .devrun-style run 82 in docs/device_notes.md (its GPU tests, then FD on vs off). A
+# call is listed in docs/device_notes.md, session 21 (its GPU tests, then FD on vs off). A
 # trace-time setting.
 WINDOW_FROM_KERNEL = False
 
