@@ -415,10 +415,7 @@ def _kda_reference_kernels():
         o, s = kda_ops.kda_fused_step(*args, **settings)
         if not write_window:
             return o, s
-        proj, window = args[0], args[1]             # the window after the first n tokens (all: n absent)
-        n = args[7] if len(args) > 7 else proj.shape[1]
-        rows = jax.numpy.concatenate([window, proj[:, :, :3].astype(window.dtype)], axis=1)
-        return o, s, jax.lax.dynamic_slice_in_dim(rows, n, window.shape[1], axis=1)
+        return o, s, kda_ops.conv_window_after(args[1], args[0], args[7] if len(args) > 7 else None)
 
     return dict(_fused_decode=step, _fused_verify=lambda *a, **kw: step(*a, **kw)[0],
                 _fused_commit=lambda *a, **kw: (step(*a, **kw)[1:] if kw.get("write_window")

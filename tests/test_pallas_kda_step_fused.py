@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from helpers import assert_no_race_flagged, interpret_only  # noqa: E402
-from lingjax.ops.kda import kda_fused_step  # noqa: E402
+from lingjax.ops.kda import conv_window_after, kda_fused_step  # noqa: E402
 from pallas_kernels.kda_step_fused import kda_fused_step_pallas  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -146,13 +146,6 @@ def test_interpret_state_in_place_equals_a_state_output():
         kda_fused_step_pallas(*args, write_state=False, state_in_place=True, interpret=INTERPRET)
 
 
-def _window_after(args, n):
-    """The conv window after the first n tokens (all T: n None): the model's XLA slice."""
-    proj, window = args[0], args[1]
-    rows = jnp.concatenate([window, proj[:, :, :3]], axis=1)
-    return jax.lax.dynamic_slice_in_dim(rows, proj.shape[1] if n is None else n, window.shape[1], axis=1)
-
-
 @pytest.mark.parametrize("T,n,write_o,in_place,dtype,block_v", [
     (1, None, True, False, BF16, 16),       # a decode step
     (1, None, True, True, F32, None),
@@ -168,7 +161,8 @@ def test_interpret_window_output(T, n, write_o, in_place, dtype, block_v):
     args = _inputs(2, T, 2, 64, dtype=dtype, seed=20 + T + (n or 0))
     o, s, w = _run(args, n, write_o=write_o, state_in_place=in_place, block_v=block_v, write_window=True)
     assert w.shape == args[1].shape and w.dtype == args[0].dtype
-    np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(_window_after(args, n), np.float32))
+    want = conv_window_after(args[1], args[0], n)
+    np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(want, np.float32))
     o_ref, s_ref = _run(args, n, write_o=write_o, block_v=block_v)
     np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
     if write_o:
@@ -274,7 +268,8 @@ def test_gpu_window_output(T, n, write_o):
     same o / state as without it."""
     args = _inputs(1, T, 32, 128, dtype=BF16, seed=300 + T)
     o, s, w = _run(args, n, interpret=False, write_o=write_o, state_in_place=True, write_window=True)
-    np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(_window_after(args, n), np.float32))
+    want = conv_window_after(args[1], args[0], n)
+    np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(want, np.float32))
     o_ref, s_ref = _run(args, n, interpret=False, write_o=write_o)
     np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
     if write_o:

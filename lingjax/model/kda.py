@@ -301,11 +301,9 @@ def commit_prefix(p: KDAPending | KDAPendingFused, n) -> KDAState:
                               write_window=True, **settings)
             return KDAState(store_state(s, p.start.state.dtype), conv.astype(p.start.conv.dtype))
         s = _pallas(_fused_commit, *args, out_head_axes=_STATE_HEADS, **settings)
-        conv_in = jnp.concatenate([p.start.conv, p.proj[:, :, :3]], axis=1)     # as in KDA.__call__
+        conv = kda_ops.conv_window_after(p.start.conv, p.proj, n)
     else:
         s0 = widen_state(p.start.state, p.k.dtype)     # k is in the accumulation dtype
         s = kda_ops.kda_state_after_prefix(s0, p.k, p.v, p.g, p.beta, n)
-        conv_in = p.conv_in
-    s = store_state(s, p.start.state.dtype)
-    conv = jax.lax.dynamic_slice_in_dim(conv_in, n, ks1, axis=1) if ks1 else p.start.conv
-    return KDAState(s, conv)
+        conv = jax.lax.dynamic_slice_in_dim(p.conv_in, n, ks1, axis=1) if ks1 else p.start.conv
+    return KDAState(store_state(s, p.start.state.dtype), conv)

@@ -260,3 +260,12 @@ def kda_fused_step(proj, window, conv_w, A_log, dt_bias, beta, state, n=None, *,
         g = jnp.where(keep[None, :, None, None], g, 0)
         beta = jnp.where(keep[None, :, None], beta, 0)
     return kda_recurrent(q, k, v, g, beta, state, scale)
+
+
+def conv_window_after(window, proj, n=None):
+    """The short-conv window after the first n tokens of a block (n None: all T): rows n .. n+W-1
+    of window ++ the block's q, k, v projections, the reference of the fused step's write_window.
+    window [B, W, 3, H, K], proj [B, T, P >= 3, H, K], n traced int in [0, T] -> [B, W, 3, H, K]
+    in window's dtype."""
+    rows = jnp.concatenate([window, proj[:, :, :3].astype(window.dtype)], axis=1)
+    return jax.lax.dynamic_slice_in_dim(rows, proj.shape[1] if n is None else n, window.shape[1], axis=1)
