@@ -17,7 +17,7 @@ with the model's logical axis names (`lingjax.model.common`):
 Chunk extents always divide the array's dimensions (no ragged edge chunks). Flash at the default
 64 MiB, bf16: KDA w_in [5, 32, 128, 2560] -> [5, 4, 128, 2560] (12.5 MiB, 8 chunks); routed
 experts w_gate_up [512, 2, 768, 2560] -> [64, 2, 96, 2560] (60 MiB, 64 chunks); embed
-[157184, 2560] -> [9824, 2560] (48 MiB, 16 chunks); A_log [32] and w_beta [2560, 32] stay whole.
+[157184, 2560] -> [9824, 2560] (48 MiB, 16 chunks); A_log [32] and w_beta [32, 2560] stay whole.
 
 Checkpoints written before this rule (orbax's size-only choice, heads never split) restore the
 same values; devices just read more bytes.

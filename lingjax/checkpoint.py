@@ -1,6 +1,6 @@
 """Load checkpoints written by `python -m checkpoints_convert` (and dispatch HF vs converted dirs).
 
-Layout of a converted checkpoint directory (format `lingjax-converted`, version 2):
+Layout of a converted checkpoint directory (format `lingjax-converted`, version 3):
 
     manifest.json     format, kind ('ling' | 'dspark'), dtype policy, source, every parameter
                       (path, shape, stored dtype, part, fp8 layout) and every part's checksum
@@ -12,7 +12,9 @@ Layout of a converted checkpoint directory (format `lingjax-converted`, version 
 
 Arrays are stored in the model's own layout (`lingjax.weights.plan_for`: fused, stacked; [in, out]
 for the MLA projections, lm_head, router and eh_proj, the published [out, in] for KDA, MLP and
-expert weights; version 1 had every matrix [in, out] and is refused: reconvert) and chunked along
+expert weights and KDA's w_beta; version 1 had every matrix [in, out] and is refused: reconvert;
+version 2 stored KDA's w_beta and MLA's g_proj [in, out] and is read, those two small matrices
+transposed on restore: `LEGACY_TRANSPOSED`) and chunked along
 the axes the partition rules shard (`checkpoints_convert/chunks.py`: a 1-, 2-, 4- or 8-way shard of
 any array over 1 MiB per shard starts and ends on chunk boundaries), so a restore with target
 shardings reads only each device's shard. The reader takes any chunking (it is in each array's zarr
@@ -46,7 +48,13 @@ import numpy as np
 from flax import nnx
 
 FORMAT = "lingjax-converted"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
+# Parameters (by leaf name) that an older format version stored transposed: {version: names}.
+# Version 2 stored KDA's w_beta and MLA's g_proj [D, H] ([in, out]); version 3 keeps the published
+# [H, D] (K-minor), which makes a decode step's per-head gate one row reduction
+# (lingjax.model.common.head_gate).
+LEGACY_TRANSPOSED = {2: frozenset({"w_beta", "g_proj"})}
 MANIFEST = "manifest.json"
 PARAMS_DIR = "params"
 SCALE_SUFFIX = "_scale_inv"
@@ -104,9 +112,10 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         raise ConvertedCheckpointError(f"{path} is corrupt ({e})") from e
     if m.get("format") != FORMAT:
         raise ConvertedCheckpointError(f"{path}: format {m.get('format')!r} is not {FORMAT!r}")
-    if m.get("format_version") != FORMAT_VERSION:
+    if m.get("format_version") not in READABLE_VERSIONS:
         raise ConvertedCheckpointError(f"{path}: format version {m.get('format_version')} is not supported "
-                                       f"(this lingjax reads version {FORMAT_VERSION}); reconvert the checkpoint")
+                                       f"(this lingjax reads versions {', '.join(map(str, READABLE_VERSIONS))}); "
+                                       "reconvert the checkpoint")
     return m
 
 
@@ -174,7 +183,8 @@ def _fill(abstract: nnx.Module, directory: Path, manifest: dict, shardings) -> n
     A parameter with a sharding in `shardings` is read shard-wise onto its devices (fp8:
     dequantised there under jit). Any other one is read on the host and converted with numpy,
     then placed like the direct HF loader does (`jnp.asarray`), so both give identical arrays.
-    A model with block-fp8 weights (`lingjax.quant.Fp8Weight`: variables `<key>.values` and
+    An older version's transposed matrix (`LEGACY_TRANSPOSED`) is read on the host, transposed and
+    then placed (with its sharding, if it has one). A model with block-fp8 weights (`lingjax.quant.Fp8Weight`: variables `<key>.values` and
     `<key>.scale_inv`) gets the stored fp8 values and scales as they are.
     """
     graphdef, state = nnx.split(abstract)
@@ -197,22 +207,27 @@ def _fill(abstract: nnx.Module, directory: Path, manifest: dict, shardings) -> n
     parts: dict[str, list[str]] = {}
     for key, meta in params.items():
         parts.setdefault(meta["part"], []).append(key)
+    transposed = LEGACY_TRANSPOSED.get(manifest["format_version"], frozenset())
     for part, keys in parts.items():
-        entries, targets = {}, {}
+        entries, targets, legacy = {}, {}, set()
         for key in keys:
             meta = params[key]
             keep_fp8 = key in fp8_keys
             path = by_key[f"{key}.values" if keep_fp8 else key]
             want = flat[path].get_value()
-            if tuple(meta["shape"]) != tuple(want.shape):
+            stored_shape = tuple(want.shape)
+            if key.rsplit(".", 1)[-1] in transposed:     # read on the host, transposed below
+                stored_shape = stored_shape[::-1]
+                legacy.add(key)
+            if tuple(meta["shape"]) != stored_shape:
                 raise ConvertedCheckpointError(f"{directory}: {key} has shape {tuple(meta['shape'])}, the model "
-                                               f"expects {tuple(want.shape)} (converted for another config?)")
-            sh = (shardings or {}).get(path)
+                                               f"expects {stored_shape} (converted for another config?)")
+            sh = None if key in legacy else (shardings or {}).get(path)
             targets[key] = (sh, want.dtype)
             fp8 = meta.get("fp8")
             entries[key] = (meta["shape"], meta["dtype"] if fp8 else want.dtype, sh)
             if fp8:
-                scale_sh = (shardings or {}).get(by_key[f"{key}.scale_inv"]) if keep_fp8 else None
+                scale_sh = (shardings or {}).get(by_key[f"{key}.scale_inv"]) if keep_fp8 and sh is not None else None
                 if scale_sh is None and sh is not None:
                     scale_sh = _replicated_like(sh)
                 entries[key + SCALE_SUFFIX] = (fp8["scale_shape"], "float32", scale_sh)
@@ -220,12 +235,17 @@ def _fill(abstract: nnx.Module, directory: Path, manifest: dict, shardings) -> n
         for key in keys:
             sh, dtype = targets[key]
             arr, fp8 = arrays.pop(key), params[key].get("fp8")
+            if key in legacy:       # an older version's [in, out] matrix: the same matrix, transposed
+                arr = np.ascontiguousarray(np.asarray(arr).T)
+                if fp8:             # (its scales follow the matrix view, which swaps in and out)
+                    fp8 = {**fp8, "in": fp8["out"], "out": fp8["in"]}
             if key in fp8_keys:
                 _check_fp8_view(directory, key, fp8, abstract)
                 scale = arrays.pop(key + SCALE_SUFFIX)
                 for leaf, a in (("values", arr), ("scale_inv", scale)):
                     v = flat[by_key[f"{key}.{leaf}"]]
-                    v.set_value(a if isinstance(a, jax.Array) else jnp.asarray(np.asarray(a).astype(v.get_value().dtype)))
+                    v.set_value(a if isinstance(a, jax.Array)
+                                else _place(np.asarray(a).astype(v.get_value().dtype), shardings, by_key[f"{key}.{leaf}"]))
                 continue
             if fp8:
                 scale = arrays.pop(key + SCALE_SUFFIX)
@@ -235,9 +255,17 @@ def _fill(abstract: nnx.Module, directory: Path, manifest: dict, shardings) -> n
                     view = (tuple(fp8["stack"]), tuple(fp8["in"]), tuple(fp8["out"]), tuple(fp8["block"]))
                     arr = _dequant_fn(view, jnp.dtype(dtype), sh)(arr, scale)
             if sh is None:
-                arr = jnp.asarray(np.asarray(arr).astype(dtype, copy=False))
+                arr = _place(np.asarray(arr).astype(dtype, copy=False), shardings, by_key[key])
             flat[by_key[key]].set_value(arr)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _place(host: np.ndarray, shardings, path) -> jax.Array:
+    """A host array on the device(s): with its sharding when `shardings` has one for `path` (a
+    parameter read on the host although sharded: an older version's transposed matrix), else as
+    `jnp.asarray` places it (the direct HF loader's placement)."""
+    sh = (shardings or {}).get(path)
+    return jnp.asarray(host) if sh is None else jax.device_put(host, sh)
 
 
 def _check_fp8_view(directory, key: str, fp8: Mapping[str, Any], abstract) -> None:

@@ -2,10 +2,10 @@
 
 A `Matrix` parameter is made of published [out, in] weights, stacked along `stack` axes (fused
 q/k/v/f/g, gate/up, experts) and with in/out split over several axes (heads); its in axes come
-before its out axes ([in, out], "K-major": MLA, lm_head, router, w_beta, eh_proj) or after them
-(the published [out, in] orientation, "K-minor": the KDA projections, the MLP and expert weights,
-whose weight-streaming kernels take the fp8 tiles as register operands,
-pallas_kernels/moe_experts.py, pallas_kernels/skinny_gemm.py). The same description is the fp8
+before its out axes ([in, out], "K-major": MLA, lm_head, router, eh_proj) or after them (the
+published [out, in] orientation, "K-minor": the KDA projections and w_beta, MLA's per-head gate
+g_proj, the MLP and expert weights, whose weight-streaming kernels take the fp8 tiles as register
+operands, pallas_kernels/moe_experts.py, pallas_kernels/skinny_gemm.py). The same description is the fp8
 *matrix view* (see lingjax/checkpoint.py): it says how the published block scales line up with the
 stored array, and which source shapes to expect.
 `Vector` parameters are the source itself (or its flattening); `Conv` is the KDA conv stack.
@@ -75,6 +75,7 @@ class Conv:
 
 
 _M_IO = Matrix((), (0,), (1,))
+_M_OI = Matrix((), (1,), (0,))
 _M_I_OO = Matrix((), (0,), (1, 2))
 _M_II_O = Matrix((), (0, 1), (2,))
 
@@ -82,12 +83,13 @@ _M_II_O = Matrix((), (0, 1), (2,))
 _LING = {
     "embed": Vector(), "weight": Vector(), "o_norm": Vector(), "A_log": Vector(), "expert_bias": Vector(),
     "dt_bias": Vector(flat=True), "conv": Conv(),
-    "lm_head": _M_IO, "router": _M_IO, "w_beta": _M_IO, "kv_a": _M_IO, "g_proj": _M_IO, "q_a": _M_IO,
+    "lm_head": _M_IO, "router": _M_IO, "kv_a": _M_IO, "q_a": _M_IO,
     "eh_proj": _M_IO,
     "kv_b": _M_I_OO, "q_proj": _M_I_OO, "q_b": _M_I_OO,
     "dense": _M_II_O,
-    # KDA: K-minor, as published: w_in [5, H, K, D] (q/k/v/f/g fused), w_out [D, H, K]
-    "w_in": Matrix((0,), (3,), (1, 2)), "w_out": Matrix((), (1, 2), (0,)),
+    # KDA: K-minor, as published: w_in [5, H, K, D] (q/k/v/f/g fused), w_beta [H, D], w_out [D, H, K];
+    # MLA's per-head gate g_proj [H, D] (w_beta and g_proj: lingjax.model.common.head_gate)
+    "w_in": Matrix((0,), (3,), (1, 2)), "w_beta": _M_OI, "w_out": Matrix((), (1, 2), (0,)), "g_proj": _M_OI,
     # MLP / MoE: K-minor, as published: w_gate_up [2, F, D] / [E, 2, F, D], w_down [D, F] / [E, D, F]
     ("w_gate_up", 3): Matrix((0,), (2,), (1,)), ("w_gate_up", 4): Matrix((0, 1), (3,), (2,)),
     ("w_down", 2): Matrix((), (1,), (0,)), ("w_down", 3): Matrix((0,), (2,), (1,)),

@@ -1,8 +1,9 @@
 """Hugging Face tensor names -> lingjax parameters: one mapping table, used by the direct loader and by
 the converter. Each parameter path of `LingModel` gets the HF names it is built from and a function
-that assembles them (transpose [out, in] -> [in, out] for the K-major MLA projections, lm_head,
-router, w_beta and eh_proj; fuse KDA's q/k/v/f/g and the MLPs' gate/up, stack experts; the KDA, MLP
-and expert weights keep the published K-minor orientation: lingjax/param_layout.py).
+that assembles them (transpose [out, in] -> [in, out] for the K-major MLA projections (except the
+per-head gate g_proj), lm_head, router and eh_proj; fuse KDA's q/k/v/f/g and the MLPs' gate/up,
+stack experts; the KDA (w_beta included), MLA g_proj, MLP and expert weights keep the published
+K-minor orientation: lingjax/param_layout.py).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def plan_for(cfg: LingConfig, with_mtp: bool) -> dict[Path_, TensorPlan]:
             (*prefix, "kv_a"): TensorPlan((a + "kv_a_proj_with_mqa.weight",), _t),
             (*prefix, "kv_a_norm", "weight"): TensorPlan((a + "kv_a_layernorm.weight",), lambda w: w),
             (*prefix, "kv_b"): TensorPlan((a + "kv_b_proj.weight",), lambda w: _t(w).reshape(w.shape[1], h, -1)),
-            (*prefix, "g_proj"): TensorPlan((a + "g_proj.weight",), _t),
+            (*prefix, "g_proj"): TensorPlan((a + "g_proj.weight",), lambda w: w),
             (*prefix, "dense"): TensorPlan((a + "dense.weight",), lambda w: _t(w).reshape(h, -1, d)),
         }
         if cfg.q_lora_rank:
@@ -67,7 +68,7 @@ def plan_for(cfg: LingConfig, with_mtp: bool) -> dict[Path_, TensorPlan]:
         return {
             (*prefix, "w_in"): TensorPlan(tuple(a + f"{n}_proj.weight" for n in "qkvfg"),
                                           lambda *ws: _stack(*ws).reshape(5, h, k, d)),
-            (*prefix, "w_beta"): TensorPlan((a + "b_proj.weight",), _t),
+            (*prefix, "w_beta"): TensorPlan((a + "b_proj.weight",), lambda w: w),
             (*prefix, "conv"): TensorPlan(tuple(a + f"{n}_conv1d.weight" for n in "qkv"),
                                           lambda *ws: np.stack([w[:, 0, :].T for w in ws], axis=1).reshape(ks, 3, h, k)),
             (*prefix, "A_log"): TensorPlan((a + "A_log",), lambda w: w),

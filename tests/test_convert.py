@@ -274,6 +274,73 @@ def test_quantise_to_fp8(converted):
     assert got.tobytes() == want.tobytes()
 
 
+# ---- older format versions --------------------------------------------------------------------------
+def _as_version_2(out: Path, dst: Path) -> Path:
+    """A copy of a version-3 conversion written as version 2 did: every KDA w_beta and MLA g_proj
+    stored [D, H] ([in, out], its fp8 matrix view with in and out swapped, the same scales)."""
+    import orbax.checkpoint as ocp
+    from checkpoints_convert.parts import save_part
+    from lingjax.checkpoint import orbax_handler
+    shutil.copytree(out, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["format_version"] = 2
+    keys = [k for k in m["params"] if k.endswith((".w_beta", ".g_proj"))]
+    assert {k.rsplit(".", 1)[1] for k in keys} == {"w_beta", "g_proj"}
+    for key in keys:
+        meta = m["params"][key]
+        part = dst / "params" / meta["part"]
+        names = [k for k, v in m["params"].items() if v["part"] == meta["part"]]
+        names += [k + "_scale_inv" for k in names if "fp8" in m["params"][k]]
+        arrays = orbax_handler().restore(part, args=ocp.args.PyTreeRestore(
+            item={n: np.empty(0) for n in names},
+            restore_args={n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}))
+        arrays[key] = np.ascontiguousarray(arrays[key].T)
+        meta["shape"] = list(arrays[key].shape)
+        if "fp8" in meta:
+            meta["fp8"] = {**meta["fp8"], "in": meta["fp8"]["out"], "out": meta["fp8"]["in"]}
+        shutil.rmtree(part)
+        m["parts"][meta["part"]] = save_part(part, arrays, {n: a.shape for n, a in arrays.items()})
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+@pytest.mark.parametrize("name,flags,fp8_weights", [("bf16", ("--dtype", "bf16"), False),
+                                                    ("fp8-keep", ("--dtype", "keep"), False),
+                                                    ("fp8-keep", ("--dtype", "keep"), True)])
+def test_version_2_checkpoint_reads_gates_transposed(work, fp8_dir, converted, name, flags, fp8_weights):
+    """Version 2 stored w_beta and g_proj [D, H]; it is still read (no reconversion), transposed on restore, so
+    the model gets exactly the version-3 parameters, with and without a sharding for it. Version 1
+    and unknown versions are refused."""
+    import jax
+    from lingjax.checkpoint import ConvertedCheckpointError
+    out = converted(name, fp8_dir if "fp8" in name else LING_TINY, *flags)
+    old = work / f"v2-{name}-{fp8_weights}"
+    if not old.exists():
+        _as_version_2(out, old)
+    dtype = jnp.float32 if "fp8" in name else None
+    new_model = load_converted(out, dtype, fp8_weights=fp8_weights)
+    _assert_same_params(load_converted(old, dtype, fp8_weights=fp8_weights), new_model)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None))
+    leaf = ("values",) if fp8_weights else ()
+    gates = [(int(k.split(".")[1]), k.rsplit(".", 1)[1]) for k in json.loads((old / "manifest.json").read_text())["params"]
+             if k.startswith("layers.") and k.endswith((".w_beta", ".g_proj"))]
+    paths = [("layers", i, "attn", name, *leaf) for i, name in gates]
+    sharded = load_converted(old, dtype, fp8_weights=fp8_weights, shardings={p: sh for p in paths})
+    for i, name in gates:
+        w = getattr(sharded.layers[i].attn, name)
+        assert (w.values if fp8_weights else w).get_value().sharding == sh
+    _assert_same_params(sharded, new_model)
+    for version in (1, 4):
+        bad = work / f"v{version}-{name}-{fp8_weights}"
+        if not bad.exists():
+            shutil.copytree(old, bad)
+            m = json.loads((bad / "manifest.json").read_text())
+            (bad / "manifest.json").write_text(json.dumps(m | {"format_version": version}))
+        with pytest.raises(ConvertedCheckpointError, match=f"format version {version} is not supported"):
+            load_converted(bad, dtype)
+
+
 # ---- DSpark draft ------------------------------------------------------------------------------------
 def test_draft_with_model_prefix(work, capsys):
     tensors = {"model." + k: v for k, v in _tensors(DSPARK_TINY).items()}
@@ -293,7 +360,7 @@ MIB = 1 << 20
 FLASH_ARRAYS = [  # Ling-3.0-flash parameters: shape, logical axes
     ((5, 32, 128, 2560), (None, "heads", "head_dim", "embed")),      # KDA w_in
     ((2560, 32, 128), ("embed", "heads", "head_dim")),               # KDA w_out
-    ((2560, 32), ("embed", "heads")),                                # w_beta (160 KiB in bf16)
+    ((32, 2560), ("heads", "embed")),                                # w_beta (160 KiB in bf16)
     ((32,), ("heads",)),                                             # A_log
     ((512, 32, 256), (None, "heads", None)),                         # MLA kv_b
     ((512, 2, 768, 2560), ("experts", None, "mlp", "embed")),        # routed experts w_gate_up

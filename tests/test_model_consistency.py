@@ -299,7 +299,7 @@ def _hf_weights(layer: KDA, H, K, D, ks):
     w = {f"{n}_proj": w_in[i].reshape(H * K, D) for i, n in enumerate("qkvfg")}
     for i, n in enumerate("qkv"):
         w[f"{n}_conv1d"] = conv[:, i].reshape(ks, H * K).T[:, None, :]     # [C, 1, ks]
-    w["b_proj"] = np.asarray(layer.w_beta[...]).T
+    w["b_proj"] = np.asarray(layer.w_beta[...])                             # [H, D], as published
     w["A_log"] = np.asarray(layer.A_log[...])
     w["dt_bias"] = np.asarray(layer.dt_bias[...]).reshape(-1)
     w["o_norm"] = np.asarray(layer.o_norm[...])

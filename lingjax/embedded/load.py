@@ -34,10 +34,11 @@ DEFAULT_DIR = Path(__file__).resolve().parent / "weights"
 TARGET_FILE, DRAFT_FILE = "target.safetensors", "draft.safetensors"
 TARGET_CONFIG, DRAFT_CONFIG = "target_config.json", "draft_config.json"
 TOKENIZER_FILE, TRAIN_LOG = "tokenizer.json", "train_log.json"
-# v2: KDA projections, MLP and expert weights in the published K-minor orientation
-# (lingjax/param_layout.py); v1 files had them [in, out] and are refused (the shapes alone cannot
-# tell when F == D).
-FORMAT = "lingjax-embedded-v2"
+# v3: KDA projections (w_beta included), MLA's g_proj, MLP and expert weights in the published
+# K-minor orientation (lingjax/param_layout.py); v2 files had w_beta and g_proj [D, H], v1 files
+# every matrix [in, out], and both are refused (the shapes alone cannot tell when F == D or H == D).
+# The committed v2 weights became v3 by transposing each w_beta and g_proj (the same trained values).
+FORMAT = "lingjax-embedded-v3"
 
 
 class EmbeddedModelMissing(FileNotFoundError):

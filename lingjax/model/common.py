@@ -64,6 +64,28 @@ def rms_norm(x, weight, eps: float):
 
 
 # ---- rotary embeddings -----------------------------------------------------------------------
+# A per-head sigmoid gate of a call of at most this many tokens (KDA's beta, gated MLA's output
+# gate) is computed as a product summed over D, not a dot: with the weight stored K-minor [H, D]
+# (as published) XLA emits one row reduction with the sigmoid fused into it. As dots over the
+# [D, H] weights they were stored as before session 22, XLA made them a column reduction at M = 1
+# (3.9 / 3.8 us per KDA / MLA layer) and a GEMM, a split-K sum and a sigmoid kernel at M = 9 (4.0
+# us in three kernels per KDA layer): session-21 / -17 layer profiles (runs 81, 67). Not yet
+# measured on the H200. Longer calls (prefill) take the dot (the product would be [T, H, D]).
+GATE_REDUCE_MAX_TOKENS = 16
+
+
+def head_gate(x, w):
+    """sigmoid(x w^T): x [B, T, D], w [H, D] (K-minor) -> [B, T, H] in the accumulation dtype
+    (see GATE_REDUCE_MAX_TOKENS for how it is computed)."""
+    acc = acc_dtype(x.dtype)
+    w = w.astype(acc)
+    if x.shape[0] * x.shape[1] <= GATE_REDUCE_MAX_TOKENS:
+        logits = jnp.sum(x.astype(acc)[:, :, None, :] * w, axis=-1)
+    else:
+        logits = jnp.einsum("btd,hd->bth", x.astype(acc), w)
+    return jax.nn.sigmoid(logits)
+
+
 def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None = None, dtype=jnp.float32):
     """inv_freq [dim/2] = theta^(-arange(0, dim, 2)/dim), YaRN-blended when `scaling` is given."""
     exps = jnp.arange(0, dim, 2, dtype=dtype) / dim

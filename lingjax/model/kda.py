@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from lingjax.cache import KDAState
 from lingjax.config import LingConfig
 from lingjax.model import dense, kernels
-from lingjax.model.common import acc_dtype, param, rms_norm
+from lingjax.model.common import acc_dtype, head_gate, param, rms_norm
 from lingjax.ops import kda as kda_ops
 from pallas_kernels import kda_prefill, kda_step_fused
 
@@ -176,7 +176,7 @@ class KDA(nnx.Module):
         self.kda_kernel = check_kda_kernel(kda_kernel, cfg, dtype)
         # q, k, v, f, g projections fused, K-minor as published: [5, H, K, D]
         self.w_in = param(rngs, (5, h, k, d), (None, "heads", "head_dim", "embed"), dtype, std=d ** -0.5)
-        self.w_beta = param(rngs, (d, h), ("embed", "heads"), dtype, std=d ** -0.5)
+        self.w_beta = param(rngs, (h, d), ("heads", "embed"), dtype, std=d ** -0.5)   # K-minor, as published
         self.conv = param(rngs, (ks, 3, h, k), (None, None, "heads", "head_dim"), dtype, std=ks ** -0.5)
         self.A_log = param(rngs, (h,), ("heads",), acc, std=0.5)
         self.dt_bias = param(rngs, (h, k), ("heads", "head_dim"), acc, std=0.5)
@@ -199,7 +199,7 @@ class KDA(nnx.Module):
             w_in = self.w_in[...]
             proj = jnp.einsum("btd,chkd->btchk", x.astype(w_in.dtype), w_in)   # [B, T, 5, H, K]
         conv_in = jnp.concatenate([cache.conv, proj[:, :, :3]], axis=1)     # [B, ks-1+T, 3, H, K]
-        beta = jax.nn.sigmoid(jnp.dot(x.astype(acc), self.w_beta[...].astype(acc)))   # [B, T, H]
+        beta = head_gate(x, self.w_beta[...])                                 # [B, T, H]
         s0 = widen_state(cache.state, acc)
         window = None               # the conv window after the block, when the fused step writes it
         if self._step_kernel(t, pending):

@@ -29,7 +29,7 @@ from lingjax.cache import MLAState
 from lingjax.config import LingConfig
 from lingjax.model import dense as dense_proj
 from lingjax.model import kernels
-from lingjax.model.common import RMSNorm, acc_dtype, apply_rope, param, rope_cos_sin
+from lingjax.model.common import RMSNorm, acc_dtype, apply_rope, head_gate, param, rope_cos_sin
 from pallas_kernels import mla_decode
 
 # Query blocks shorter than this use the absorbed form.
@@ -82,7 +82,7 @@ class GatedMLA(nnx.Module):
         self.kv_a = param(rngs, (d, lat + rope), ("embed", None), dtype, std=d ** -0.5)
         self.kv_a_norm = RMSNorm(lat, cfg.rms_norm_eps, dtype=dtype, logical=(None,))
         self.kv_b = param(rngs, (lat, h, nope + vd), (None, "heads", None), dtype, std=lat ** -0.5)
-        self.g_proj = param(rngs, (d, h), ("embed", "heads"), dtype, std=d ** -0.5)
+        self.g_proj = param(rngs, (h, d), ("heads", "embed"), dtype, std=d ** -0.5)   # K-minor, as published
         self.dense = param(rngs, (h, vd, d), ("heads", None, "embed"), dtype, std=(h * vd) ** -0.5)
 
     def __call__(self, x, cache: MLAState, pos):
@@ -127,7 +127,7 @@ class GatedMLA(nnx.Module):
             o = self._attend_absorbed(q_nope, q_rope, cache, mask)
         else:
             o = self._attend_expanded(q_nope, q_rope, cache, mask)
-        gate = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x.astype(acc), self.g_proj[...].astype(acc)))
+        gate = head_gate(x, self.g_proj[...])                                # [B, T, H]
         o = (o.astype(acc) * gate[..., None]).astype(x.dtype)
         if self._kernel("dense", b * t):
             return dense_proj.dense_matmul(o, self.dense, k_axes=2), cache
