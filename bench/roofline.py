@@ -19,7 +19,8 @@ gives the bytes of the depth-reduced model. Counted per step:
 Not counted: activations (hidden states, logits: small at batch 1), the padded part of the
 static-size caches past the valid context (the real kernels may read it; the roofline does not).
 fp8 = weight-only fp8 (1 byte + one fp32 scale per 128x128 block) for the matrices that a
-fp8 checkpoint quantises; embed, lm_head, router, norms and the draft stay in the activation dtype.
+fp8 checkpoint quantises; embed, lm_head, router, norms and the draft stay in the activation dtype,
+and so does MLA's kv_b, which an fp8 model holds dequantised (LING_DEQUANTISED_AT_LOAD).
 """
 from __future__ import annotations
 
@@ -58,16 +59,17 @@ def kda_attn_params(cfg: LingConfig) -> tuple[int, int, int]:
     return mats, small, acc
 
 
-def mla_attn_params(cfg: LingConfig) -> tuple[int, int]:
-    """(matrix elements, small elements) of one gated-MLA block."""
+def mla_attn_params(cfg: LingConfig) -> tuple[int, int, int]:
+    """(matrix elements, kv_b's elements, small elements) of one gated-MLA block (kv_b apart: an
+    fp8 model holds it dequantised, lingjax.param_layout.LING_DEQUANTISED_AT_LOAD)."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
     nope, rope, vd, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank:
         q, small = d * cfg.q_lora_rank + cfg.q_lora_rank * h * (nope + rope), cfg.q_lora_rank
     else:
         q, small = d * h * (nope + rope), 0
-    mats = q + d * (lat + rope) + lat * h * (nope + vd) + d * h + h * vd * d   # q, kv_a, kv_b, g_proj, dense
-    return mats, small + lat                              # + kv_a_norm
+    mats = q + d * (lat + rope) + d * h + h * vd * d       # q, kv_a, g_proj, dense
+    return mats, lat * h * (nope + vd), small + lat       # kv_b; + kv_a_norm
 
 
 def expert_params(cfg: LingConfig) -> int:
@@ -125,8 +127,8 @@ def _layer_block(cfg: LingConfig, i: int, T: int, context: int, experts: float, 
     w = 2 * d * act                                       # input / post norms
     state = kv = 0.0
     if mla:
-        mats, small = mla_attn_params(cfg)
-        w += mats * wb + small * act
+        mats, kv_b, small = mla_attn_params(cfg)
+        w += mats * wb + (kv_b + small) * act
         row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act
         kv += context * row + T * row
     else:

@@ -254,6 +254,13 @@ def test_fp8_weights_load_as_block_fp8(fp8_dir, converted):
         for p in path:
             owner = owner[p] if isinstance(p, int) else getattr(owner, p)
         assert np.asarray(fw[...]).tobytes() == np.asarray(owner.get_value()).tobytes(), path
+    mla = [i for i, layer in enumerate(q.layers) if hasattr(layer.attn, "kv_b")]
+    for i in mla:      # kv_b: stored fp8, held dequantised (param_layout.LING_DEQUANTISED_AT_LOAD)
+        kv_b = q.layers[i].attn.kv_b
+        assert isinstance(kv_b, nnx.Param) and kv_b.get_value().dtype == jnp.float32
+        assert np.asarray(kv_b.get_value()).tobytes() == np.asarray(deq.layers[i].attn.kv_b.get_value()).tobytes()
+    assert mla and json.loads((keep / "manifest.json").read_text())["params"][f"layers.{mla[0]}.attn.kv_b"]["dtype"] \
+        == "float8_e4m3fn"
     assert np.array_equal(_logits(q), _logits(deq))
     with pytest.raises(ConvertedCheckpointError, match="not fp8-ready"):
         load_converted(converted("bf16", LING_TINY, "--dtype", "bf16"), fp8_weights=True)
