@@ -12,7 +12,8 @@ Layout of a converted checkpoint directory (format `lingjax-converted`, version 
 
 Arrays are stored in the model's own layout (`lingjax.weights.plan_for`: fused, stacked; [in, out]
 for the MLA projections, lm_head, router and eh_proj, the published [out, in] for KDA, MLP and
-expert weights and KDA's w_beta; version 1 had every matrix [in, out] and is refused: reconvert;
+expert weights and MLA's per-head gate g_proj; version 1 had every matrix [in, out] and is
+refused: reconvert;
 version 2 stored KDA's w_beta and MLA's g_proj [in, out] and is read, those two small matrices
 transposed on restore: `LEGACY_TRANSPOSED`) and chunked along
 the axes the partition rules shard (`checkpoints_convert/chunks.py`: a 1-, 2-, 4- or 8-way shard of
@@ -184,8 +185,9 @@ def _fill(abstract: nnx.Module, directory: Path, manifest: dict, shardings) -> n
     dequantised there under jit). Any other one is read on the host and converted with numpy,
     then placed like the direct HF loader does (`jnp.asarray`), so both give identical arrays.
     An older version's transposed matrix (`LEGACY_TRANSPOSED`) is read on the host, transposed and
-    then placed (with its sharding, if it has one). A model with block-fp8 weights (`lingjax.quant.Fp8Weight`: variables `<key>.values` and
-    `<key>.scale_inv`) gets the stored fp8 values and scales as they are.
+    then placed (with its sharding, if it has one). A model with block-fp8 weights
+    (`lingjax.quant.Fp8Weight`: variables `<key>.values` and `<key>.scale_inv`) gets the stored fp8
+    values and scales as they are.
     """
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))

@@ -63,7 +63,6 @@ def rms_norm(x, weight, eps: float):
     return weight * y.astype(x.dtype)
 
 
-# ---- rotary embeddings -----------------------------------------------------------------------
 # A per-head sigmoid gate of a call of at most this many tokens (KDA's beta, gated MLA's output
 # gate) is computed as a product summed over D, not a dot: with the weight stored K-minor [H, D]
 # (as published) XLA emits one row reduction with the sigmoid fused into it. As dots over the
@@ -86,6 +85,7 @@ def head_gate(x, w):
     return jax.nn.sigmoid(logits)
 
 
+# ---- rotary embeddings -----------------------------------------------------------------------
 def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None = None, dtype=jnp.float32):
     """inv_freq [dim/2] = theta^(-arange(0, dim, 2)/dim), YaRN-blended when `scaling` is given."""
     exps = jnp.arange(0, dim, 2, dtype=dtype) / dim
