@@ -145,8 +145,8 @@ def dedupe_experts(idx, w, n_experts: int):
     kernels never read it (its contribution, 0 * y, is dropped; y is not computed).
     M*k <= n_experts (every verify block of Ling-3.0-flash): slot u is the u-th (token, slot) pair
     in token-major order, kept where its expert was not chosen by an earlier pair (-1 where it was,
-    or where its weight is 0): one [M*k, M*k] comparison and one variadic reduction, no sort,
-    cumsum or scatter (session 16; those were ~8 us of XLA kernels per MoE layer call). One token (M = 1,
+    or where its weight is 0): one [M*k, M*k] comparison, a fusion or two, no sort, cumsum or
+    scatter (session 16; those were ~8 us of XLA kernels per MoE layer call). One token (M = 1,
     every plain decode step) is the same rule without comparisons: the router's k slots of one
     token name distinct experts (a caller's duplicate slot would be read twice and still combine
     exactly). Otherwise (more slots than experts: small test models) uniq is the sorted distinct
@@ -162,17 +162,14 @@ def dedupe_experts(idx, w, n_experts: int):
         ids = jnp.where(w.reshape(-1) != 0, idx.reshape(-1).astype(jnp.int32), -1)     # [M*k]
         pair = jnp.arange(M * k)
         same = (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)                     # [u, j]
+        first = (ids >= 0) & ~jnp.any(same & (pair[None, :] < pair[:, None]), axis=1)
+        uniq = jnp.where(first, ids, -1)
         tok = pair // k                                                                 # token of pair j
-        # one variadic reduction over j (one XLA kernel; session 22): whether an earlier pair names
-        # u's expert, and token m's weight for it. Token m chose an expert in at most one slot: one
-        # nonzero term per (u, m), exact (a select and sum, not a dot, which a GPU may run in TF32).
-        mine = (tok[:, None] == jnp.arange(M)[None, :])[None]                           # [1, j, m]
-        earlier = jnp.broadcast_to((same & (pair[None, :] < pair[:, None]))[:, :, None], (M * k, M * k, M))
-        terms = jnp.where(same[:, :, None] & mine, w.reshape(1, -1, 1).astype(_F32), 0.0)   # [u, j, m]
-        repeat, wu_all = jax.lax.reduce((earlier, terms), (False, jnp.float32(0)),
-                                        lambda a, b: (a[0] | b[0], a[1] + b[1]), (1,))
-        first = (ids >= 0) & ~repeat[:, 0]
-        return jnp.where(first, ids, -1), jnp.where(first[:, None], wu_all, 0.0)
+        # token m chose expert ids[u] in at most one slot: one nonzero term per (u, m), exact (a
+        # select and sum, not a dot, which a GPU may run in TF32)
+        hit = (same & first[:, None])[:, :, None] & (tok[:, None] == jnp.arange(M)[None, :])[None]  # [u, j, m]
+        wu = jnp.sum(jnp.where(hit, w.reshape(1, -1, 1).astype(_F32), 0.0), axis=1)
+        return uniq, wu
     flat = jnp.where(w.reshape(-1) != 0, idx.reshape(-1).astype(jnp.int32), n_experts)  # 0: sentinel E
     s = jnp.sort(flat)                                               # sentinels sort last
     new = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]]) & (s < n_experts)
