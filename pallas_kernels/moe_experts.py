@@ -74,8 +74,7 @@ Design
   shared experts in the same two launches, summed in float32 (the model uses it when the shared
   expert is as wide as a routed one).
 * Combine across experts: an XLA reduction ``y[m, d] = sum_s,u wu[u, m] * yu[s, u, d, m]`` (no
-  atomics: deterministic, and the extra traffic U*D*16*2 bytes is ~1.5% of the weight bytes),
-  written as a product summed over (s, u) (`combine`), which XLA emits as one column reduction.
+  atomics: deterministic, and the extra traffic U*D*16*2 bytes is ~1.5% of the weight bytes).
 * Padding slots (uniq = -1) skip all their loads and matmuls (``pl.when``): only the selected
   experts' weights are read, each exactly once per call however many tokens chose it. Kernel 2
   writes zeros for them (kernel 1 leaves their act rows unwritten; only kernel 2's padding
@@ -120,7 +119,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import (ASYNC_K_MINOR, SCALE_SHIFT, X_TOP_EXP, a_operand, a_regs, f16_rows, load_fp8,
                                     pow2, store, swizzled)
 
-__all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "moe_experts_pallas", "combine", "moe_split", "dedupe_experts", "weight_bytes"]
+__all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "moe_experts_pallas", "moe_split", "dedupe_experts", "weight_bytes"]
 
 MAX_M = 16          # tokens per call (decode or a speculative verify block); also the padded N
 BLOCK = 128         # fp8 scale block (both dims) = K chunk of every matmul
@@ -693,20 +692,7 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
         act = act.astype(_BF)
     yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, split_f, stages, interpret, sh2,
                fp8_async, k_minor)                                              # [split, U, D, MAX_M]
-    return combine(yu, wu, M, x.dtype)
-
-
-def combine(yu, wu, M: int, dtype):
-    """The experts' weighted sum: yu [split, U, D, MAX_M] (kernel 2's outputs), wu [U, M] ->
-    y [M, D] = sum_{s, u} wu[u, m] yu[s, u, d, m] in float32, cast to dtype.
-
-    A product summed over (s, u), not a dot: XLA makes it one column reduction of yu with the
-    product fused in, where the dot ``einsum("sudm,um->md")`` (batch dim m minor) was a transpose
-    of all of yu and then a reduction (4.4 + 3.1 us at M = 9 in the session-20 layer profile, run
-    77b), and an f32 dot on the GPU may run in TF32 (like `dedupe_experts`' weights, the sum stays
-    exact float32)."""
-    y = jnp.sum(yu[..., :M].astype(_F32) * wu[None, :, None, :], axis=(0, 1))     # [D, M]
-    return y.T.astype(dtype)
+    return jnp.einsum("sudm,um->md", yu[..., :M].astype(_F32), wu).astype(x.dtype)
 
 
 def moe_split(U: int, D: int, F: int, k_minor: bool = False) -> tuple[int, int]:

@@ -23,8 +23,8 @@ from helpers import assert_no_race_flagged, interpret_only  # noqa: E402
 from lingjax.ops.moe import experts_gather  # noqa: E402
 from lingjax.param_layout import Matrix  # noqa: E402
 from lingjax.quant import FP8, Fp8Weight  # noqa: E402
-from pallas_kernels.moe_experts import (combine, dedupe_experts, moe_experts_pallas, moe_split,  # noqa: E402
-                                        scale_at, scale_rows, weight_bytes)
+from pallas_kernels.moe_experts import (dedupe_experts, moe_experts_pallas, moe_split, scale_at,  # noqa: E402
+                                        scale_rows, weight_bytes)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)  # jax 0.12: races raise (on_race="raise")
@@ -175,21 +175,6 @@ def test_scale_rows_index_like_the_stored_scales(shape, rows):
 def test_scale_rows_refuses_more_than_one_tma_copy():
     with pytest.raises(ValueError, match="one TMA copy"):
         scale_rows(jnp.zeros((2, 4 * 257), F32), 1)             # 257 rows of 4 floats
-
-
-@pytest.mark.parametrize("split,U,M", [(1, 73, 9), (2, 9, 1), (1, 16, 16)])
-def test_combine_is_the_weighted_sum(split, U, M):
-    """combine: y[m, d] = sum_{s, u} wu[u, m] yu[s, u, d, m] over the first M of the 16 token columns
-    (the rest, the kernels' padding, never count), in float32 (float64 numpy reference)."""
-    rng = np.random.default_rng(U + M)
-    yu = rng.standard_normal((split, U, 64, 16)).astype(np.float32)
-    yu[..., M:] = np.nan                                          # padding columns must not leak in
-    wu = rng.standard_normal((U, M)).astype(np.float32)
-    yu = jnp.asarray(yu, jnp.bfloat16 if split == 1 else F32)     # kernel 2's dtypes (bf16 unless split)
-    want = np.einsum("sudm,um->md", np.asarray(yu, np.float64)[..., :M], wu.astype(np.float64))
-    got = combine(yu, jnp.asarray(wu), M, F32)
-    assert got.shape == (M, 64) and got.dtype == F32
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_dedupe_single_token_keeps_slot_order():
