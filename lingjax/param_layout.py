@@ -96,17 +96,6 @@ _LING = {
 }
 # Stay in high precision whatever --dtype says (spec/ling3.md): never quantised to fp8.
 LING_HIGH_PRECISION = {"embed", "lm_head", "router", "weight", "o_norm", "A_log", "expert_bias", "dt_bias", "conv"}
-# Stored as fp8 in an fp8 checkpoint (as published), but held dequantised (in the model dtype: the
-# values a per-call dequantisation gives) by a model with fp8 weights (lingjax.quant.is_quantisable):
-# * MLA's kv_b holds the absorbed attention's W_uk / W_uv, which every query block multiplies in XLA
-#   einsums; dequantised per call, XLA wrote both dequantised halves out each time (a 5.7 us
-#   `loop_slice_fusion` per MLA layer and DSpark step in the session-20 full-depth profile, run 79)
-#   to save 4 MB of reads per layer;
-# * the per-head gates w_beta (KDA) and g_proj (MLA), [H, D] = 80 KB of fp8 each, reduced in XLA
-#   (lingjax.model.common.head_gate): held dequantised, the reduction reads them as they are (no
-#   dequantisation with block scales gathered per call) for 80 KB more per layer.
-# Session 22; not yet measured on the H200.
-LING_DEQUANTISED_AT_LOAD = frozenset({"kv_b", "w_beta", "g_proj"})
 
 
 def ling_layout(path: tuple, shape) -> Matrix | Vector | Conv:
