@@ -59,8 +59,8 @@ Design
   each program copies its head's v columns of those rows through registers into a [W, bv] SMEM
   stage (in the [W + T, nv, bv] v rows its columns are strided, which one TMA box cannot read),
   the first column block's program the q and k rows into a [W, 2, K] stage; one TMA store each.
-  Interpret mode and cross-lowering only so far (not yet run on a GPU; the model's
-  ``kda.WINDOW_FROM_KERNEL`` is off until it has).
+  Its GPU tests pass on the H200 (session 22, run 83); the model's ``kda.WINDOW_FROM_KERNEL`` is
+  on (full depth DSpark 8.500 -> 8.422 ms/step, same host).
 
 What stays in XLA around it (lingjax/model/kda.py): the projection GEMMs, beta = sigmoid(x w_beta),
 the gated output RMSNorm (it needs the whole head's V columns, which four programs share).

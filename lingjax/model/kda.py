@@ -86,13 +86,11 @@ _STEP_HEAD_AXES = (3, 3, 2, 0, 0, 2, 1)
 STATE_IN_PLACE = True
 # The fused decode step and the commit also write the conv window after the block (or after the
 # accepted prefix) from the rows they hold in SMEM (`kda_fused_step_pallas(write_window=True)`)
-# instead of an XLA slice kernel after them: one kernel less per KDA layer and step (~1.2 us each
-# in the session-21 layer profile, run 81), the same values (a copy). Off until it has run on the
-# H200: written in session 21 after the last device call (interpret mode and cross-lowering pass,
-# and the model gives the same logits, states and windows either way on CPU); the next device
-# call is listed in docs/device_notes.md, session 21 (its GPU tests, then FD on vs off). A
-# trace-time setting.
-WINDOW_FROM_KERNEL = False
+# instead of an XLA slice kernel after them (~1.2 us each in the session-21 layer profile, run 81),
+# the same values (a copy). On: its GPU tests pass on the H200 and, same host, full depth fp8
+# DSpark 8.500 -> 8.422 ms/step, plain decode 3.886 -> 3.869 (session 22, runs 83-84 in
+# docs/device_notes.md). A trace-time setting.
+WINDOW_FROM_KERNEL = True
 
 # (ndim, heads dim) of the fused step's outputs: o [B,T,H,V], state [B,H,K,V], window [B,W,3,H,K]
 _O_HEADS, _STATE_HEADS, _WINDOW_HEADS = (4, 2), (4, 1), (5, 3)
