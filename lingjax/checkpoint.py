@@ -13,9 +13,8 @@ Layout of a converted checkpoint directory (format `lingjax-converted`, version 
 Arrays are stored in the model's own layout (`lingjax.weights.plan_for`: fused, stacked; [in, out]
 for the MLA projections, lm_head, router and eh_proj, the published [out, in] for KDA, MLP and
 expert weights and MLA's per-head gate g_proj; version 1 had every matrix [in, out] and is
-refused: reconvert;
-version 2 stored KDA's w_beta and MLA's g_proj [in, out] and is read, those two small matrices
-transposed on restore: `LEGACY_TRANSPOSED`) and chunked along
+refused: reconvert; version 2 stored KDA's w_beta and MLA's g_proj [in, out] and is read, those
+two small matrices transposed on restore: `LEGACY_TRANSPOSED`) and chunked along
 the axes the partition rules shard (`checkpoints_convert/chunks.py`: a 1-, 2-, 4- or 8-way shard of
 any array over 1 MiB per shard starts and ends on chunk boundaries), so a restore with target
 shardings reads only each device's shard. The reader takes any chunking (it is in each array's zarr
