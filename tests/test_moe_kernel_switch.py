@@ -47,11 +47,11 @@ MAX_LEN = 64
 # (std 1.0) spreads the scores: seed 3 then has a margin of 1.9e-2. The greedy engine test needs the
 # margins of its generated tokens too, and the gap between the two largest logits: ENGINE_SEED has a
 # router margin >= 6e-3 and a top-2 logit gap >= 0.03 logit std over 7 greedy tokens (fp8 kinds;
-# seed 3: 1.5e-4 and 0.004; measured before session 22's gate change, not since). Session 22 stored the KDA/MLA gate weights as [H, D], which changed the
-# random draws again: seed 3's fp8_shared verify block then had a router margin of 2.5e-4 (token 5,
-# the third MoE layer) and the kernel picked another expert there (10% logit error at that token).
-# Over seeds 0-23 (margins of the XLA model's decode and verify routers, all three kinds), seed 23
-# has the widest: >= 6.5e-3.
+# seed 3: 1.5e-4 and 0.004; measured before session 22's gate change, not since). Session 22 stored
+# the KDA/MLA gate weights as [H, D], which changed the random draws again: seed 3's fp8_shared
+# verify block then had a router margin of 2.5e-4 (token 5, the third MoE layer) and the kernel
+# picked another expert there (10% logit error at that token). Over seeds 0-23 (margins of the XLA
+# model's decode and verify routers, all three kinds), seed 23 has the widest: >= 6.5e-3.
 SEED, ENGINE_SEED, BIAS_STD = 23, 2, 1.0
 TOL = 2e-2       # float32 model: the kernel rounds x and the SwiGLU output to bf16 (observed ~5e-3)
 
