@@ -36,7 +36,14 @@ def pow2(k):
     return lax.bitcast_convert_type((jnp.asarray(k, jnp.int32) + 127) << 23, jnp.float32)
 
 
-def f16_rows(x, rows: int):
+def row_exponent(a):
+    """e with a in [2**(e-1), 2**e) for a >= 0 (float32, any shape), from a's bits, clipped to
+    [E_MIN, 128] (so both powers of two below are normal floats: pow2); 128 for inf / nan."""
+    biased = (lax.bitcast_convert_type(jnp.asarray(a, jnp.float32), jnp.int32) >> 23) & 0xFF
+    return jnp.clip(biased - 126, E_MIN, 128)
+
+
+def f16_rows(x, rows: int, bound=None):
     """Tokens for an f16 WGMMA operand next to e4m3 weights (sm_90 converts e4m3 -> f16 in
     hardware, not -> bf16). x [M, K] (used as bf16), M <= rows -> (xp [rows, K] float16, e [M]
     int32): row m is x_bf16[m] * 2**(X_TOP_EXP - e[m]), e[m] the exponent of its max |x| (max |x|
@@ -45,13 +52,22 @@ def f16_rows(x, rows: int):
     2**-18; float32-subnormal values, |x| < 2**-126, become 0 where XLA flushes denormals, as on
     the CPU and the GPU, where the frexp / ldexp form before session 21 kept them); a row with an
     inf / nan gets e = 128 (its product is not finite either way); rows past M are zeros. A
-    product computed from row m is undone by ``pow2(e[m] - X_TOP_EXP)``."""
+    product computed from row m is undone by ``pow2(e[m] - X_TOP_EXP)``.
+
+    ``bound`` (float32 scalar, traced or not; session 24): the caller guarantees |x| <= bound
+    everywhere (an RMSNorm's output, `lingjax.model.common.rms_norm_bound`), and every row takes
+    the exponent of the bound instead of its own max: no reduction over x (one XLA kernel fewer
+    per call, and a bound computed from weights only is hoisted out of a decode loop). Values
+    above ~2**-28 * bound stay exact; a value more than ~2x the bound would overflow f16 to inf
+    (a loud failure, never a silently different result)."""
     M, K = x.shape
     xf = x.astype(jnp.bfloat16).astype(jnp.float32)
     # the exponent from the max's bits: one reduction, no frexp (its zero / subnormal / non-finite
     # selects), and with the clip both powers of two are normal floats (pow2)
-    biased = (lax.bitcast_convert_type(jnp.max(jnp.abs(xf), axis=1), jnp.int32) >> 23) & 0xFF
-    e = jnp.clip(biased - 126, E_MIN, 128)
+    if bound is None:
+        e = row_exponent(jnp.max(jnp.abs(xf), axis=1))
+    else:
+        e = jnp.broadcast_to(row_exponent(bound), (M,))
     xs = (xf * pow2(X_TOP_EXP - e)[:, None]).astype(jnp.float16)
     return jnp.zeros((rows, K), jnp.float16).at[:M].set(xs), e
 

@@ -37,8 +37,9 @@ Design
   hardware, two values per instruction), stored to a swizzled f16 tile and multiplied into a
   fresh accumulator that the chunk's block scale then weights into a float32 carry (as in
   skinny_gemm); the tokens are f16 too, each row of x scaled in XLA by a power of two that puts
-  its max |x| in [2**14, 2**15) and undone on the carries: the float32 product of x_bf16 and the
-  exact dequantised weight (the reference rounds ``w * scale`` to bf16 first). SwiGLU (optional
+  its max |x| in [2**14, 2**15) (with ``x_bound``, session 24: the bound's, no reduction over x)
+  and undone on the carries: the float32 product of x_bf16 and the exact dequantised weight (the
+  reference rounds ``w * scale`` to bf16 first). SwiGLU (optional
   clamp) on the fp32 accumulators; ``act [U, F, 16]`` bf16 is written (the reference also
   rounds h to bf16; here only act is rounded). With split_d > 1 (one token: 8
   experts x 12 column tiles = 96 programs of 20 serial chunks would leave most SMs idle, so
@@ -583,7 +584,7 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8_
 
 def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit=None, *,
                        shared=None, split_d=None, split_f=None, stages=STAGES, fp8_schedule="serial",
-                       k_minor=False, interpret=False):
+                       k_minor=False, x_bound=None, interpret=False):
     """Routed experts for M = 1..16 tokens; see the module docstring.
 
     x [M, D]; idx, w [M, k]; either block-fp8 weights: w_gate_up [E, D, 2, F] float8_e4m3fn +
@@ -604,6 +605,8 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     as always [.., IN blocks, OUT blocks] (the Fp8Weight convention); fp8 tiles then become the
     WGMMA A operand in registers (no 16-bit SMEM tile; 'serial' only: 'async' is refused). The
     model's layout since session 9: M=9 152 vs 178 us with the shared expert on the H200 (run 31).
+    ``x_bound``: optional float32 scalar with |x| <= x_bound guaranteed by the caller (fp8: the
+    tokens' f16 scaling then needs no reduction over x, `common.f16_rows`).
     ``interpret``: False (compile for the GPU) or a ``plgpu.InterpretGPUParams``. -> [M, D] x.dtype.
     """
     M, D = x.shape
@@ -669,7 +672,7 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
         wu = jnp.concatenate([wu, jnp.ones((1, M), _F32)])              # (fused into the combine)
     x_scale = None
     if fp8:          # kernel 1 multiplies f16 tokens, each row scaled into f16's range
-        xp, ex = f16_rows(x, MAX_M)
+        xp, ex = f16_rows(x, MAX_M, x_bound)
         shift = X_TOP_EXP + (SCALE_SHIFT if fp8_async else 0)
         x_scale = jnp.zeros((MAX_M,), _F32).at[:M].set(pow2(ex - shift))
     else:

@@ -127,7 +127,9 @@ def test_kernel_runs_only_for_decode_and_verify():
     cache = pallas.init_cache(1, MAX_LEN)
 
     def n_kernels(model, tokens):
-        return kernel_calls(lambda t, c: model(t, c), tokens, cache, name="moe_experts_pallas")
+        # the routed experts' kernel entry point (lingjax.model.mlp: moe_experts_pallas with x_bound
+        # passed positionally; fp8 models without a joining shared expert, as here)
+        return kernel_calls(lambda t, c: model(t, c), tokens, cache, name="_routed_experts")
 
     n_moe = sum(isinstance(layer.mlp, MoE) for layer in pallas.layers)
     assert n_moe > 1

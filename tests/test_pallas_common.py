@@ -2,7 +2,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.common import E_MIN, X_TOP_EXP, f16_rows, pow2
+from pallas_kernels.common import E_MIN, X_TOP_EXP, f16_rows, pow2, row_exponent
 
 
 def test_pow2_is_exact_over_its_range():
@@ -37,3 +37,32 @@ def test_f16_rows_scales_each_row_by_its_max_exponent():
     assert np.isinf(got[2, 1]) and np.isnan(got[3, 0]) and np.isnan(got[4, 3])   # the product is not finite either
     np.testing.assert_array_equal(np.asarray(xp[9:], np.float32), 0)
     assert np.abs(got[0]).max() < 2.0 ** 15 <= np.abs(got[0]).max() * 2      # max |x| lands in [2**14, 2**15)
+
+
+def test_f16_rows_with_a_bound_takes_its_exponent_for_every_row():
+    """x_bound (an RMSNorm's static bound): every row is scaled by the bound's power of two, no
+    reduction over x; values within the bound stay exact and the bound lands in [2**14, 2**15)."""
+    x = np.array([[1.5, -3.0, 0.25, 0.0],
+                  [0.0, 0.0, 0.0, 0.0],
+                  [-1e-3, 2e-3, 0.0, 5e-4],
+                  [99.0, -100.0, 3.0, 7.0]], np.float32)
+    xb = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    bound = 101.2                                        # 2 * sqrt(2560): ones-weight RMSNorm over 2560
+    xp, e = f16_rows(jnp.asarray(x, jnp.bfloat16), 8, jnp.float32(bound))
+    assert xp.shape == (8, 4) and xp.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(e), [7, 7, 7, 7])          # 101.2 in [2**6, 2**7)
+    np.testing.assert_array_equal(np.asarray(row_exponent(jnp.float32(bound))), 7)
+    want = xb * 2.0 ** (X_TOP_EXP - 7)
+    np.testing.assert_array_equal(np.asarray(xp[:4], np.float64), want)    # exact: a power-of-two scaling
+    np.testing.assert_array_equal(np.asarray(xp[4:], np.float32), 0)
+    assert 2.0 ** 14 <= bound * 2.0 ** (X_TOP_EXP - 7) < 2.0 ** 15
+    # without a bound the same rows scale by their own maxima (the same products after unscaling)
+    _, e_own = f16_rows(jnp.asarray(x, jnp.bfloat16), 8)
+    np.testing.assert_array_equal(np.asarray(e_own), [2, E_MIN, -8, 7])
+
+
+def test_f16_rows_overflows_loudly_past_twice_the_bound():
+    """A value above ~2x the bound (a stale or wrong bound) becomes inf, never a silently wrong finite value."""
+    x = jnp.asarray([[1.0, 300.0]], jnp.bfloat16)
+    xp, _ = f16_rows(x, 8, jnp.float32(100.0))
+    assert np.isinf(np.asarray(xp[0, 1], np.float32)) and np.isfinite(np.asarray(xp[0, 0], np.float32))

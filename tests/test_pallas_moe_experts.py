@@ -392,6 +392,26 @@ def test_interpret_k_minor_weights_match(M, mode, split_d, split_f, with_shared,
     _check(out, ref, 2e-2)
 
 
+
+@pytest.mark.parametrize("M,split_d,with_shared", [(1, 4, True), (9, 1, False)])
+@interpret_only
+def test_interpret_x_bound_matches_own_row_scaling(M, split_d, with_shared):
+    """x_bound (a static bound on |x|, as an RMSNorm's): every token row scaled by the bound's
+    power of two instead of its own max gives the same output (k_minor fp8, as the model runs it)."""
+    E, k, D, F = 16, 4, 512, 256
+    vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=77 + M)
+    routed = tuple(a[:E] for a in (vgu, sgu, vd, sd))
+    shared = (*(a[0] for a in _k_minor(*(a[E:] for a in (vgu, sgu, vd, sd)))), None) if with_shared else None
+    idx, w = _routing(M, k, E, "overlap", seed=M + 9)
+    mags = jnp.asarray([1.0, 1e-3, 20.0, 0.5, 1.0, 3.0, 0.25, 1.0, 8.0], F32)[:M, None]
+    x = (jax.random.normal(jax.random.PRNGKey(M + 23), (M, D), F32) * mags).astype(BF16)
+    bound = jnp.float32(float(np.abs(np.asarray(x, np.float32)).max()) * 5.0)
+    kw = dict(split_d=split_d, k_minor=True, shared=shared, interpret=INTERPRET)
+    out = jax.block_until_ready(moe_experts_pallas(x, idx, w, *_k_minor(*routed), x_bound=bound, **kw))
+    assert_no_race_flagged()
+    own = moe_experts_pallas(x, idx, w, *_k_minor(*routed), **kw)
+    _check(out, own, 1e-3)
+
 def test_k_minor_checks():
     vgu, sgu, vd, sd = _k_minor(*_weights(4, 256, 128))
     x, idx, w = jnp.zeros((1, 256), BF16), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), F32)

@@ -209,6 +209,25 @@ def test_interpret_fp8_rows_of_different_magnitudes():
         np.testing.assert_allclose(out[r], ref[r], rtol=1e-5, atol=1e-5 * np.abs(ref[r]).max())
 
 
+
+@interpret_only
+@pytest.mark.parametrize("M,split_k", [(1, 1), (9, 2)])
+def test_interpret_fp8_with_x_bound_matches_reference(M, split_k):
+    """x_bound (a static bound on |x|, as an RMSNorm's): one power of two for every row instead of
+    each row's max, the same products: rows far below the bound included."""
+    K, N = 256, 128
+    w, s = _weights(K, N, True, seed=3)
+    mags = jnp.asarray([1.0, 1e-3, 30.0, 0.0, 1.0, 5.0, 0.5, 2.0, 1.0], F32)[:M, None]
+    x = (_x(M, K, seed=3).astype(F32) * mags).astype(BF16)
+    bound = float(np.abs(np.asarray(x, np.float32)).max()) * 3.0
+    out = skinny_gemm_pallas(x, w, s, jnp.float32(bound), interpret=INTERPRET, out_dtype=F32, split_k=split_k)
+    ref = np.asarray(skinny_gemm_reference(x, w, s), np.float64)
+    own = skinny_gemm_pallas(x, w, s, interpret=INTERPRET, out_dtype=F32, split_k=split_k)   # each row's max
+    out = np.asarray(out, np.float64)
+    for r in range(M):
+        np.testing.assert_allclose(out[r], ref[r], rtol=1e-5, atol=1e-5 * np.abs(ref[r]).max())
+    np.testing.assert_allclose(out, np.asarray(own, np.float64), rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
 def test_rejects_bad_inputs():
     w, s = _weights(256, 128, True)
     wb, _ = _weights(256, 128, False)

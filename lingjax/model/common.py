@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from lingjax.config import RopeScaling, yarn_get_mscale
@@ -47,11 +48,15 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """Normalise in fp32 over the last dim, cast back to the input dtype, multiply by the weight."""
+    """Normalise in fp32 over the last dim, cast back to the input dtype, multiply by the weight.
+    ``bound``: a static bound on every output's size (`rms_norm_bound` of the weight), recorded by
+    `record_input_bounds`; None until then. Layers pass it to the fp8 kernels as ``x_bound``."""
+    NORM_BOUNDS = (("bound", "weight"),)       # record_input_bounds: attribute <- norm weight
 
     def __init__(self, dim: int, eps: float, *, dtype, logical=("embed",)):
         self.eps = eps
         self.weight = param(None, (dim,), logical, dtype, init="ones")
+        self.bound = None
 
     def __call__(self, x):
         return rms_norm(x, self.weight[...], self.eps)
@@ -61,6 +66,37 @@ def rms_norm(x, weight, eps: float):
     xf = x.astype(acc_dtype(x.dtype))
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * y.astype(x.dtype)
+
+
+def rms_norm_bound(weight) -> float | None:
+    """A number no |rms_norm(x, weight, eps)| exceeds, for any x and eps >= 0 (nor |rms_norm(...) *
+    g| for |g| <= 1): each normalised element is at most sqrt(n) in size (its square is at most the
+    n-element sum of squares, n = weight.size), times max |weight|; the factor 2 covers the bf16
+    roundings of the normalised value and of the product. From a concrete weight (a Python float:
+    a constant in the traced step, so no kernel computes it); None for an abstract one (shapes only)."""
+    if isinstance(weight, jax.ShapeDtypeStruct) or isinstance(weight, jax.core.Tracer):
+        return None
+    w = np.abs(np.asarray(weight, np.float32))
+    return float(2.0 * math.sqrt(w.size) * w.max()) if w.size else 0.0
+
+
+def record_input_bounds(model: nnx.Module) -> nnx.Module:
+    """Record on every module of `model` with NORM_BOUNDS (RMSNorm: ``bound``; KDA: ``o_bound`` of its
+    output norm) the `rms_norm_bound` of that norm weight as it is now, in place. The layers pass
+    these static bounds to the fp8 skinny GEMM and MoE kernels as ``x_bound``, which spares each
+    call a reduction over its input (pallas_kernels.common.f16_rows). Called by set_dense_kernel and
+    set_moe_kernel (after loading or quantising); call it again after changing a norm weight: a
+    stale bound more than 2x too small makes the kernels' f16 inputs overflow to inf (loudly).
+    Returns `model`."""
+    for _, m in nnx.iter_modules(model):
+        for attr, name in getattr(type(m), "NORM_BOUNDS", ()):
+            setattr(m, attr, rms_norm_bound(getattr(m, name).get_value()))
+    return model
+
+
+def bound_arg(bound):
+    """A recorded bound (float or None) as the kernels' x_bound argument: a float32 constant or None."""
+    return None if bound is None else jnp.float32(bound)
 
 
 # A per-head sigmoid gate of a call of at most this many tokens (KDA's beta, gated MLA's output

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lingjax.model import kernels
-from lingjax.model.common import acc_dtype
+from lingjax.model.common import acc_dtype, bound_arg, record_input_bounds
 from lingjax.quant import Fp8Weight
 from pallas_kernels import skinny_gemm
 
@@ -139,11 +139,13 @@ def kernel_operands(weight, k_axes: int):
     return weight.get_value().reshape(matrix), None
 
 
-def dense_matmul(x, weight, *, k_axes: int = 1, out_dtype=None):
+def dense_matmul(x, weight, *, k_axes: int = 1, out_dtype=None, x_bound=None):
     """x [..., *contracted dims] @ weight -> [..., *output dims] on the skinny GEMM (at most
     MAX_TOKENS rows); k_axes > 0: weight [K..., N...], k_axes < 0: weight [N..., K...] (module
     docstring). out_dtype: default what the XLA path gives (x's dtype promoted with the weight's
-    compute dtype). Compiled on a GPU, interpreted inside kernels.pallas_interpret()."""
+    compute dtype). x_bound: optional static bound on |x| (an RMSNorm's recorded ``bound``,
+    lingjax.model.common.record_input_bounds), which spares fp8 weights a reduction over x
+    (pallas_kernels.common.f16_rows). Compiled on a GPU, interpreted inside kernels.pallas_interpret()."""
     w, scale = kernel_operands(weight, k_axes)
     if kernels.current_mesh() is not None:
         raise ValueError("dense_kernel='pallas' is not split over devices (no shard_map over the projections); "
@@ -153,7 +155,8 @@ def dense_matmul(x, weight, *, k_axes: int = 1, out_dtype=None):
     K, _ = _matrix_shape(tuple(weight.shape), k_axes)
     lead = x.shape[:x.ndim - len(k_ax)]
     out_dtype = out_dtype or jnp.promote_types(x.dtype, compute_dtype(weight))
-    y = kernels.shared_call(skinny_gemm.skinny_gemm_pallas, x.reshape(-1, K), w, scale, interpret=interpret,
+    y = kernels.shared_call(skinny_gemm.skinny_gemm_pallas, x.reshape(-1, K), w, scale, bound_arg(x_bound),
+                            interpret=interpret,
                             out_dtype=jnp.dtype(out_dtype), k_minor=k_axes < 0)
     return y.reshape(*lead, *(weight.shape[a] for a in n_ax))
 
@@ -189,7 +192,8 @@ def set_dense_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
     weights use it (module docstring); call it before the model is split / jitted (the choice is
     static) and after any fp8 quantisation. For 'pallas', raises ValueError for a float64 model,
     or when no projection can use the kernel (e.g. float32 weights: quantise the model or load it
-    in bfloat16). Returns `model`."""
+    in bfloat16). Also records the norms' output bounds the kernels take as x_bound
+    (lingjax.model.common.record_input_bounds). Returns `model`."""
     check_dense_kernel(kernel)
     on = 0
     for _, m in nnx.iter_modules(model):
@@ -213,4 +217,4 @@ def set_dense_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
         raise ValueError("dense_kernel='pallas' found no projection the kernel can stream (it needs bfloat16 "
                          "or block-fp8 weights with K % 128 == 0 and N % 64 == 0): quantise the model "
                          "(lingjax.quant.quantize_model), load it in bfloat16, or use dense_kernel='xla'")
-    return model
+    return record_input_bounds(model)

@@ -166,6 +166,7 @@ def _pallas(fn, *args, head_axes, out_head_axes, **settings):
 
 class KDA(nnx.Module):
     DENSE_WEIGHTS = (("w_in", -1), ("w_out", -2))  # dense_kernel projections, K-minor (lingjax/model/dense.py)
+    NORM_BOUNDS = (("o_bound", "o_norm"),)          # o_proj's input bound (lingjax.model.common.record_input_bounds)
 
     def __init__(self, cfg: LingConfig, *, dtype, rngs, kda_kernel: str = "xla"):
         d, h, k, ks = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
@@ -180,19 +181,22 @@ class KDA(nnx.Module):
         self.dt_bias = param(rngs, (h, k), ("heads", "head_dim"), acc, std=0.5)
         self.o_norm = param(None, (k,), (None,), dtype, init="ones")
         self.w_out = param(rngs, (d, h, k), ("embed", "heads", "head_dim"), dtype, std=(h * k) ** -0.5)
+        self.o_bound = None     # static bound on o_proj's input (the gated norm), recorded from o_norm
 
-    def __call__(self, x, cache: KDAState, *, pending: bool = False, valid_len=None):
+    def __call__(self, x, cache: KDAState, *, pending: bool = False, valid_len=None, x_bound=None):
         """x [B, T, D] -> (y [B, T, D], new KDAState) or, with pending=True (speculative verify),
         (y, KDAPending) leaving the state untouched until `commit_prefix` knows the accepted length.
 
         valid_len (traced int, optional): only the first valid_len tokens are real (a prompt padded
         to a compiled length); the rest become identity updates (gate 0, beta 0) and the conv
-        window ends at valid_len. Outputs past valid_len are meaningless."""
+        window ends at valid_len. Outputs past valid_len are meaningless.
+        x_bound: a static bound on |x| (the input norm's ``bound``) or None, for the fp8 kernels."""
         cfg = self.cfg
         acc = acc_dtype(x.dtype)
         b, t, _ = x.shape
         if dense.uses_kernel(self, "w_in", b * t):
-            proj = dense.dense_matmul(x.astype(self.w_in.dtype), self.w_in, k_axes=-1)   # [B, T, 5, H, K]
+            proj = dense.dense_matmul(x.astype(self.w_in.dtype), self.w_in, k_axes=-1,
+                                      x_bound=x_bound)                      # [B, T, 5, H, K]
         else:
             w_in = self.w_in[...]
             proj = jnp.einsum("btd,chkd->btchk", x.astype(w_in.dtype), w_in)   # [B, T, 5, H, K]
@@ -270,9 +274,9 @@ class KDA(nnx.Module):
     def _output(self, o, gate, dtype):
         """Gated per-head RMSNorm then o_proj: o [B, T, H, V] (acc), gate [B, T, H, K]."""
         o = rms_norm(o, self.o_norm[...].astype(o.dtype), self.cfg.rms_norm_eps)
-        o = (o * jax.nn.sigmoid(gate.astype(o.dtype))).astype(dtype)
+        o = (o * jax.nn.sigmoid(gate.astype(o.dtype))).astype(dtype)        # |o| <= the norm's bound
         if dense.uses_kernel(self, "w_out", o.shape[0] * o.shape[1]):
-            return dense.dense_matmul(o, self.w_out, k_axes=-2)
+            return dense.dense_matmul(o, self.w_out, k_axes=-2, x_bound=self.o_bound)
         return jnp.einsum("bthk,dhk->btd", o, self.w_out[...])
 
 

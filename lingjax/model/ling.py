@@ -40,13 +40,14 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, h, cache, pos, *, pending: bool = False, valid_len=None):
         with jax.named_scope(self.kind):          # profile component: 'kda' | 'mla'
+            x, bound = self.input_norm(h), self.input_norm.bound   # bound: static, for the fp8 kernels
             if self.kind == "mla":
-                a, cache = self.attn(self.input_norm(h), cache, pos)
+                a, cache = self.attn(x, cache, pos, x_bound=bound)
             else:
-                a, cache = self.attn(self.input_norm(h), cache, pending=pending, valid_len=valid_len)
+                a, cache = self.attn(x, cache, pending=pending, valid_len=valid_len, x_bound=bound)
         h = h + a
         with jax.named_scope("moe" if isinstance(self.mlp, MoE) else "dense_mlp"):
-            return h + self.mlp(self.post_norm(h)), cache
+            return h + self.mlp(self.post_norm(h), self.post_norm.bound), cache
 
 
 class MTPLayer(nnx.Module):
@@ -66,7 +67,8 @@ class MTPLayer(nnx.Module):
         """h_final [B, T, D] (main model after model.norm), next_embeds [B, T, D] -> (hidden, cache)."""
         x = jnp.concatenate([self.enorm(next_embeds), self.hnorm(h_final)], axis=-1)
         if uses_kernel(self, "eh_proj", math.prod(x.shape[:-1])):
-            x = dense_matmul(x, self.eh_proj)
+            bounds = (self.enorm.bound, self.hnorm.bound)
+            x = dense_matmul(x, self.eh_proj, x_bound=None if None in bounds else max(bounds))
         else:
             x = jnp.dot(x, self.eh_proj[...])
         x, cache = self.block(x, cache, pos)
@@ -129,18 +131,20 @@ class LingModel(nnx.Module):
         with jax.named_scope("embed"):
             return jnp.take(self.embed[...], tokens, axis=0)
 
-    def logits(self, hidden):
-        """hidden [..., D] (final-normed) -> fp32 (acc) logits [..., V]."""
+    def logits(self, hidden, x_bound: float | None = None):
+        """hidden [..., D] (final-normed) -> fp32 (acc) logits [..., V]. x_bound: a static bound on
+        |hidden| (the norm's recorded ``bound``) or None, for an fp8 lm_head on the kernel."""
         acc = acc_dtype(hidden.dtype)
         kernel = uses_kernel(self, "lm_head", math.prod(hidden.shape[:-1]))
         with jax.named_scope("lm_head"):
             if self.approx.bf16_router_head:   # bf16 logits, widened so consumers see one dtype
                 bf = jnp.bfloat16
                 if kernel:
-                    return dense_matmul(hidden.astype(bf), self.lm_head, out_dtype=bf).astype(acc)
+                    return dense_matmul(hidden.astype(bf), self.lm_head, out_dtype=bf,
+                                        x_bound=x_bound).astype(acc)
                 return jnp.dot(hidden.astype(bf), self.lm_head[...].astype(bf), preferred_element_type=bf).astype(acc)
             if kernel:
-                return dense_matmul(hidden, self.lm_head, out_dtype=acc)
+                return dense_matmul(hidden, self.lm_head, out_dtype=acc, x_bound=x_bound)
             return jnp.dot(hidden, self.lm_head[...], preferred_element_type=acc)
 
     def __call__(self, tokens, cache: LingCache, *, logits: str = "all", tap_layers: tuple[int, ...] = (),
@@ -175,9 +179,9 @@ class LingModel(nnx.Module):
             hidden = self.norm(h)
         out_logits = None
         if logits == "all":
-            out_logits = self.logits(hidden)
+            out_logits = self.logits(hidden, self.norm.bound)
         elif logits == "last":
-            out_logits = self.logits(hidden[:, -1:])
+            out_logits = self.logits(hidden[:, -1:], self.norm.bound)
         if return_all_hidden:
             tap_out = jnp.stack([taps[i] for i in range(len(self.layers))])
         elif tap_layers:

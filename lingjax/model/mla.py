@@ -85,11 +85,12 @@ class GatedMLA(nnx.Module):
         self.g_proj = param(rngs, (h, d), ("heads", "embed"), dtype, std=d ** -0.5)   # K-minor, as published
         self.dense = param(rngs, (h, vd, d), ("heads", None, "embed"), dtype, std=(h * vd) ** -0.5)
 
-    def __call__(self, x, cache: MLAState, pos):
+    def __call__(self, x, cache: MLAState, pos, *, x_bound=None):
         """x [B, T, D] at positions pos..pos+T-1 (pos traced int32) -> (y [B, T, D], new MLAState).
 
         The block's latent / rope key are written into the cache first; queries then attend to
-        every cached position <= their own.
+        every cached position <= their own. x_bound: a static bound on |x| (the input norm's
+        ``bound``) or None, for the fp8 kernels.
         """
         cfg = self.cfg
         nope, lat = cfg.qk_nope_head_dim, cfg.kv_lora_rank
@@ -97,16 +98,17 @@ class GatedMLA(nnx.Module):
         acc = acc_dtype(x.dtype)
         xw = x.astype(self.kv_a.dtype)
         if cfg.q_lora_rank:
-            qa = (dense_proj.dense_matmul(xw, self.q_a) if self._kernel("q_a", b * t)
+            qa = (dense_proj.dense_matmul(xw, self.q_a, x_bound=x_bound) if self._kernel("q_a", b * t)
                   else jnp.dot(xw, self.q_a[...]))
             qa = self.q_a_norm(qa)
-            q = (dense_proj.dense_matmul(qa, self.q_b) if self._kernel("q_b", b * t)
+            q = (dense_proj.dense_matmul(qa, self.q_b, x_bound=self.q_a_norm.bound) if self._kernel("q_b", b * t)
                  else jnp.einsum("btr,rhe->bthe", qa, self.q_b[...]))
         elif self._kernel("q_proj", b * t):
-            q = dense_proj.dense_matmul(xw, self.q_proj)
+            q = dense_proj.dense_matmul(xw, self.q_proj, x_bound=x_bound)
         else:
             q = jnp.einsum("btd,dhe->bthe", xw, self.q_proj[...])
-        c = dense_proj.dense_matmul(xw, self.kv_a) if self._kernel("kv_a", b * t) else jnp.dot(xw, self.kv_a[...])
+        c = (dense_proj.dense_matmul(xw, self.kv_a, x_bound=x_bound) if self._kernel("kv_a", b * t)
+             else jnp.dot(xw, self.kv_a[...]))
         latent = self.kv_a_norm(c[..., :lat])
         positions = pos + jnp.arange(t, dtype=jnp.int32)
         cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, acc)

@@ -30,7 +30,7 @@ from flax import nnx
 from lingjax.approx import ApproxModes
 from lingjax.config import LingConfig
 from lingjax.model import dense, kernels
-from lingjax.model.common import acc_dtype, param
+from lingjax.model.common import acc_dtype, bound_arg, param, record_input_bounds
 from lingjax.ops import moe as moe_ops
 from lingjax.param_layout import Matrix
 from lingjax.quant import Fp8Weight
@@ -83,13 +83,14 @@ def expert_kernel_weights(w_gate_up, w_down):
 def set_moe_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
     """Switch every MoE layer of `model` (e.g. one built by a checkpoint loader, after any fp8
     quantisation) to `kernel`, in place; call it before the model is split / jitted (the choice is
-    static). For 'pallas' the expert weights are checked too. Returns `model`."""
+    static). For 'pallas' the expert weights are checked too, and the norms' output bounds the
+    kernels take as x_bound are recorded (lingjax.model.common.record_input_bounds). Returns `model`."""
     for _, m in nnx.iter_modules(model):
         if isinstance(m, MoE):
             m.moe_kernel = check_moe_kernel(kernel, m.cfg, m.expert_bias.get_value().dtype)   # acc dtype
             if kernel == "pallas":
                 expert_kernel_weights(m.w_gate_up, m.w_down)
-    return model
+    return record_input_bounds(model)
 
 
 _SHARED_GU_VIEW, _SHARED_DOWN_VIEW = Matrix((0,), (2,), (1,)), Matrix((), (1,), (0,))   # [2, F, D], [D, F]
@@ -116,30 +117,37 @@ def shared_kernel_weights(shared: "DenseMLP", w_gate_up, intermediate: int):
     return gu, None, d, None
 
 
-def _pallas_experts(xf, idx, w, w_gate_up, w_down, limit, shared=None):
+def _pallas_experts(xf, idx, w, w_gate_up, w_down, limit, shared=None, x_bound=None):
     """moe_experts_pallas on the MoE's weights (and the shared expert's: ``shared``, the tuple of
-    `shared_kernel_weights` + its clamp): compiled on a GPU, interpreted inside
-    lingjax.model.kernels.pallas_interpret() (CPU tests)."""
+    `shared_kernel_weights` + its clamp), x_bound the static bound on |xf| or None: compiled on a
+    GPU, interpreted inside lingjax.model.kernels.pallas_interpret() (CPU tests)."""
     interpret = kernels.interpret_arg("moe_kernel")
     if kernels.current_mesh() is not None:
         raise ValueError("moe_kernel='pallas' is not split over devices (no shard_map over the experts); "
                          "use moe_kernel='xla' on a device mesh")
     gu, gu_scale, d, d_scale = expert_kernel_weights(w_gate_up, w_down)
     if shared is None:
-        return kernels.shared_call(moe_experts.moe_experts_pallas, xf, idx, w, gu, gu_scale, d, d_scale,
-                                   limit=limit, k_minor=True, interpret=interpret)
+        return kernels.shared_call(_routed_experts, xf, idx, w, gu, gu_scale, d, d_scale, bound_arg(x_bound),
+                                   limit=limit, interpret=interpret)
     *sh, sh_limit = shared
-    return kernels.shared_call(_experts_and_shared, xf, idx, w, gu, gu_scale, d, d_scale, *sh,
+    return kernels.shared_call(_experts_and_shared, xf, idx, w, gu, gu_scale, d, d_scale, *sh, bound_arg(x_bound),
                                limit=limit, shared_limit=sh_limit, interpret=interpret)
 
 
-def _experts_and_shared(x, idx, w, gu, gu_scale, d, d_scale, sh_gu, sh_gu_scale, sh_d, sh_d_scale, *,
+def _routed_experts(x, idx, w, gu, gu_scale, d, d_scale, x_bound, *, limit, interpret):
+    """moe_experts_pallas with x_bound as a positional argument (shared_call's keyword settings are
+    static)."""
+    return moe_experts.moe_experts_pallas(x, idx, w, gu, gu_scale, d, d_scale, limit, x_bound=x_bound,
+                                          k_minor=True, interpret=interpret)
+
+
+def _experts_and_shared(x, idx, w, gu, gu_scale, d, d_scale, sh_gu, sh_gu_scale, sh_d, sh_d_scale, x_bound, *,
                         limit, shared_limit, interpret):
-    """moe_experts_pallas with the shared expert's arrays as positional arguments (shared_call's
-    keyword settings are static)."""
+    """moe_experts_pallas with the shared expert's arrays and x_bound as positional arguments
+    (shared_call's keyword settings are static)."""
     return moe_experts.moe_experts_pallas(x, idx, w, gu, gu_scale, d, d_scale, limit,
                                           shared=(sh_gu, sh_gu_scale, sh_d, sh_d_scale, shared_limit),
-                                          k_minor=True, interpret=interpret)
+                                          x_bound=x_bound, k_minor=True, interpret=interpret)
 
 
 class DenseMLP(nnx.Module):
@@ -153,10 +161,11 @@ class DenseMLP(nnx.Module):
         self.w_gate_up = param(rngs, (2, inter, hidden), (None, "mlp", "embed"), dtype, std=hidden ** -0.5)
         self.w_down = param(rngs, (hidden, inter), ("embed", "mlp"), dtype, std=inter ** -0.5)
 
-    def __call__(self, x):
+    def __call__(self, x, x_bound: float | None = None):
+        """x [..., D] -> [..., D]; x_bound: a static bound on |x| (its RMSNorm's ``bound``) or None."""
         tokens = math.prod(x.shape[:-1])
         if dense.uses_kernel(self, "w_gate_up", tokens):
-            h = dense.dense_matmul(x.astype(self.w_gate_up.dtype), self.w_gate_up, k_axes=-1)
+            h = dense.dense_matmul(x.astype(self.w_gate_up.dtype), self.w_gate_up, k_axes=-1, x_bound=x_bound)
         else:
             w = self.w_gate_up[...]
             h = jnp.einsum("...d,cfd->...cf", x.astype(w.dtype), w)
@@ -186,8 +195,8 @@ class MoE(nnx.Module):
         self.shared = DenseMLP(d, cfg.shared_intermediate_size, dtype=dtype, rngs=rngs,
                                swiglu_limit=cfg.swiglu_limit(layer, shared=True))
 
-    def __call__(self, x):
-        """x [B, T, D] -> [B, T, D]."""
+    def __call__(self, x, x_bound: float | None = None):
+        """x [B, T, D] -> [B, T, D]; x_bound: a static bound on |x| (its RMSNorm's ``bound``) or None."""
         cfg = self.cfg
         b, t, d = x.shape
         xf = x.reshape(b * t, d)
@@ -200,10 +209,10 @@ class MoE(nnx.Module):
             sh = shared_kernel_weights(self.shared, self.w_gate_up, cfg.moe_intermediate_size)
             if sh is not None:      # routed + shared experts in one pair of kernels
                 y = _pallas_experts(xf, idx, w, self.w_gate_up, self.w_down, self.limit,
-                                    shared=(*sh, self.shared.swiglu_limit))
+                                    shared=(*sh, self.shared.swiglu_limit), x_bound=x_bound)
                 return y.reshape(b, t, d)
-            routed = _pallas_experts(xf, idx, w, self.w_gate_up, self.w_down, self.limit)
+            routed = _pallas_experts(xf, idx, w, self.w_gate_up, self.w_down, self.limit, x_bound=x_bound)
         else:
             experts = moe_ops.experts_gather if b * t < MOE_GATHER_MAX_TOKENS else moe_ops.experts_capacity
             routed = experts(xf, idx, w, self.w_gate_up, self.w_down, self.limit)   # Param or Fp8Weight
-        return (routed + self.shared(xf)).reshape(b, t, d)
+        return (routed + self.shared(xf, x_bound)).reshape(b, t, d)
