@@ -19,7 +19,9 @@ gives the bytes of the depth-reduced model. Counted per step:
 Not counted: activations (hidden states, logits: small at batch 1), the padded part of the
 static-size caches past the valid context (the real kernels may read it; the roofline does not).
 fp8 = weight-only fp8 (1 byte + one fp32 scale per 128x128 block) for the matrices that a
-fp8 checkpoint quantises; embed, lm_head, router, norms and the draft stay in the activation dtype.
+fp8 checkpoint quantises; embed, lm_head, router, norms and the draft stay in the activation dtype,
+and so do the per-head gates w_beta / g_proj, which an fp8 model holds dequantised
+(lingjax.param_layout.LING_DEQUANTISED_AT_LOAD).
 """
 from __future__ import annotations
 
@@ -50,24 +52,26 @@ def _dtypes(dtype: str) -> tuple[float, float, float]:
 
 # ---- parameter element counts, mirroring lingjax/model ----------------------------------------
 def kda_attn_params(cfg: LingConfig) -> tuple[int, int, int]:
-    """(matrix elements, small elements in model dtype, elements in acc dtype) of one KDA block."""
+    """(matrix elements, small elements in model dtype, elements in acc dtype) of one KDA block
+    (w_beta counts as small: an fp8 model holds it dequantised, param_layout.LING_DEQUANTISED_AT_LOAD)."""
     d, h, k, ks = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
-    mats = d * 5 * h * k + d * h + h * k * d              # w_in (q,k,v,f,g), w_beta, w_out
-    small = ks * 3 * h * k + k                            # conv, o_norm
+    mats = d * 5 * h * k + h * k * d                      # w_in (q,k,v,f,g), w_out
+    small = d * h + ks * 3 * h * k + k                    # w_beta, conv, o_norm
     acc = h + h * k                                       # A_log, dt_bias
     return mats, small, acc
 
 
-def mla_attn_params(cfg: LingConfig) -> tuple[int, int]:
-    """(matrix elements, small elements) of one gated-MLA block."""
+def mla_attn_params(cfg: LingConfig) -> tuple[int, int, int]:
+    """(matrix elements, g_proj's elements, small elements) of one gated-MLA block (g_proj apart: an
+    fp8 model holds it dequantised, param_layout.LING_DEQUANTISED_AT_LOAD)."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
     nope, rope, vd, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank:
         q, small = d * cfg.q_lora_rank + cfg.q_lora_rank * h * (nope + rope), cfg.q_lora_rank
     else:
         q, small = d * h * (nope + rope), 0
-    mats = q + d * (lat + rope) + lat * h * (nope + vd) + d * h + h * vd * d   # q, kv_a, kv_b, g_proj, dense
-    return mats, small + lat                              # + kv_a_norm
+    mats = q + d * (lat + rope) + lat * h * (nope + vd) + h * vd * d   # q, kv_a, kv_b, dense
+    return mats, d * h, small + lat                       # g_proj; + kv_a_norm
 
 
 def expert_params(cfg: LingConfig) -> int:
@@ -125,8 +129,8 @@ def _layer_block(cfg: LingConfig, i: int, T: int, context: int, experts: float, 
     w = 2 * d * act                                       # input / post norms
     state = kv = 0.0
     if mla:
-        mats, small = mla_attn_params(cfg)
-        w += mats * wb + small * act
+        mats, dequantised, small = mla_attn_params(cfg)
+        w += mats * wb + (dequantised + small) * act
         row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act
         kv += context * row + T * row
     else:

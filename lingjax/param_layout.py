@@ -96,6 +96,15 @@ _LING = {
 }
 # Stay in high precision whatever --dtype says (spec/ling3.md): never quantised to fp8.
 LING_HIGH_PRECISION = {"embed", "lm_head", "router", "weight", "o_norm", "A_log", "expert_bias", "dt_bias", "conv"}
+# Stored as fp8 in an fp8 checkpoint (as published), but held dequantised (in the model dtype: the
+# values a per-call dequantisation gives) by a model with fp8 weights (lingjax.quant.is_quantisable):
+# the per-head gates w_beta (KDA) and g_proj (MLA), [H, D] = 80 KB of fp8 each, reduced in XLA
+# (lingjax.model.common.head_gate). Dequantised per call, XLA spends one kernel per layer and step
+# on it (a [H, D] float32 multiply before the reduction: deviceless H200 compile, bench/xla_kernels.py,
+# session 24); held dequantised, the reduction reads them as they are, for 80 KB more per layer.
+# (Session 22 also held MLA's kv_b dequantised: measured slower together, reverted; kv_b dequantised
+# changes no kernel count, so it stays fp8.)
+LING_DEQUANTISED_AT_LOAD = frozenset({"w_beta", "g_proj"})
 
 
 def ling_layout(path: tuple, shape) -> Matrix | Vector | Conv:

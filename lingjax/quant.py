@@ -15,7 +15,8 @@ is the baseline the weight-streaming kernels are measured against.
 
 Which parameters: the `Matrix` layouts outside `LING_HIGH_PRECISION` (embedding, lm_head, router,
 norms, gates' biases and the KDA conv stay in the compute dtype), i.e. what a published FP8
-checkpoint quantises.
+checkpoint quantises, except `LING_DEQUANTISED_AT_LOAD` (the per-head gates w_beta and g_proj), which
+are stored as fp8 but held dequantised (lingjax/param_layout.py says why).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lingjax.param_layout import LING_HIGH_PRECISION, Matrix, ling_layout
+from lingjax.param_layout import LING_DEQUANTISED_AT_LOAD, LING_HIGH_PRECISION, Matrix, ling_layout
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -155,8 +156,8 @@ def quantize(w, view: Matrix, block=DEFAULT_BLOCK):
 
 
 def is_quantisable(path: tuple, shape) -> bool:
-    """Whether the Ling parameter at `path` (nnx state path) is stored as fp8 in an fp8 model."""
-    if str(path[-1]) in LING_HIGH_PRECISION:
+    """Whether the Ling parameter at `path` (nnx state path) is held as fp8 by an fp8 model."""
+    if str(path[-1]) in LING_HIGH_PRECISION or str(path[-1]) in LING_DEQUANTISED_AT_LOAD:
         return False
     return isinstance(ling_layout(tuple(str(p) for p in path), shape), Matrix)   # KeyError: no layout
 

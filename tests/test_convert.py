@@ -254,6 +254,14 @@ def test_fp8_weights_load_as_block_fp8(fp8_dir, converted):
         for p in path:
             owner = owner[p] if isinstance(p, int) else getattr(owner, p)
         assert np.asarray(fw[...]).tobytes() == np.asarray(owner.get_value()).tobytes(), path
+    stored = json.loads((keep / "manifest.json").read_text())["params"]
+    held = [(i, n) for i, layer in enumerate(q.layers) for n in ("w_beta", "g_proj") if hasattr(layer.attn, n)]
+    assert {n for _, n in held} == {"w_beta", "g_proj"}
+    for i, n in held:      # stored fp8, held dequantised (param_layout.LING_DEQUANTISED_AT_LOAD)
+        w = getattr(q.layers[i].attn, n)
+        assert isinstance(w, nnx.Param) and w.get_value().dtype == jnp.float32
+        assert np.asarray(w.get_value()).tobytes() == np.asarray(getattr(deq.layers[i].attn, n).get_value()).tobytes()
+        assert stored[f"layers.{i}.attn.{n}"]["dtype"] == "float8_e4m3fn"
     assert np.array_equal(_logits(q), _logits(deq))
     with pytest.raises(ConvertedCheckpointError, match="not fp8-ready"):
         load_converted(converted("bf16", LING_TINY, "--dtype", "bf16"), fp8_weights=True)
@@ -324,12 +332,10 @@ def test_version_2_checkpoint_reads_gates_transposed(work, fp8_dir, converted, n
     sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None))
     gates = [(int(k.split(".")[1]), k.rsplit(".", 1)[1]) for k in json.loads((old / "manifest.json").read_text())["params"]
              if k.startswith("layers.") and k.endswith((".w_beta", ".g_proj"))]
-    leaf = ("values",) if fp8_weights else ()
-    paths = [("layers", i, "attn", name, *leaf) for i, name in gates]
+    paths = [("layers", i, "attn", name) for i, name in gates]     # held dequantised even with fp8 weights
     sharded = load_converted(old, dtype, fp8_weights=fp8_weights, shardings={p: sh for p in paths})
     for i, name in gates:
-        w = getattr(sharded.layers[i].attn, name)
-        assert (w.values if fp8_weights else w).get_value().sharding == sh
+        assert getattr(sharded.layers[i].attn, name).get_value().sharding == sh
     _assert_same_params(sharded, new_model)
     for version in (1, 4):
         bad = work / f"v{version}-{name}-{fp8_weights}"

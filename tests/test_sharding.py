@@ -286,8 +286,9 @@ def test_fp8_sharded_tokens_match_one_device(multi):
 
 
 def test_fp8_decode_step_one_collective_per_block(multi):
-    """quant.dequantize gathers the scales of weights narrower than a block (w_beta, g_proj) by
-    block index: repeat + slice made GSPMD add a collective-permute per KDA / MLA block."""
+    """quant.dequantize gathers the scales of weights narrower than a block by block index: repeat +
+    slice made GSPMD add a collective-permute per KDA / MLA block (then for w_beta and g_proj,
+    which fp8 models now hold dequantised: param_layout.LING_DEQUANTISED_AT_LOAD)."""
     _check_step(multi["fp8"]["collectives"], 2)
 
 
