@@ -9,7 +9,8 @@ path computes for these T):
     window  [B, W, 3, H, K]  short-conv history: the last W = ks - 1 projected q, k, v inputs
     conv_w  [ks, 3, H, K]    depthwise causal conv weights
     A_log [H], dt_bias [H, K]   gate parameters (float32)
-    beta    [B, T, H]        float32, sigmoid applied
+    beta    [B, T, H]        float32, sigmoid applied (beta_logits=True: before the sigmoid, which the
+                             kernel applies to each token's scalar)
     state   [B, H, K, V]     float32 (V = K: v is a K-wide projection channel)
     n       int32 scalar     tokens t >= n are identity updates (committing an accepted prefix of a
                              verified block); None: all T tokens
@@ -62,7 +63,9 @@ Design
   Its GPU tests pass on the H200 (session 22, run 83); the model's ``kda.WINDOW_FROM_KERNEL`` is
   on (full depth DSpark 8.500 -> 8.422 ms/step, same host).
 
-What stays in XLA around it (lingjax/model/kda.py): the projection GEMMs, beta = sigmoid(x w_beta),
+What stays in XLA around it (lingjax/model/kda.py): the projection GEMMs, beta's logits x w_beta
+(the model passes them with beta_logits=True, session 24: the sigmoid in the kernel spares XLA a
+kernel after the reduction; deviceless H200 compile, bench.xla_kernels),
 the gated output RMSNorm (it needs the whole head's V columns, which four programs share).
 
 * A commit (``write_o=False`` with ``n``) runs both loops over its n accepted tokens only: the
@@ -118,7 +121,8 @@ def _sigmoid(x):
 
 def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=None, *,
                           safe_gate=True, lower_bound=-5.0, scale=None, write_o=True, write_state=True,
-                          block_v=None, state_in_place=False, write_window=False, interpret=False):
+                          block_v=None, state_in_place=False, write_window=False, beta_logits=False,
+                          interpret=False):
     """Conv + gate + norms + KDA recurrence over T = 1..16 tokens; see the module docstring.
 
     ``state_in_place`` (with write_state; the model's default since session 19, lingjax.model.kda): the
@@ -128,6 +132,7 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
     loop must copy into its carried state. The same values.
     ``write_window``: also return the conv window after the block (or after its first n tokens),
     [B, W, 3, H, K] in proj's dtype, as a third output.
+    ``beta_logits``: beta holds x w_beta before the sigmoid; the kernel applies it per token.
     ``interpret``: False (compile for the GPU), or a ``plgpu.InterpretGPUParams`` (CPU simulation).
     Returns (o [B,T,H,V] float32 or None, state [B,H,K,V] float32 or None), plus the window
     [B,W,3,H,K] with write_window.
@@ -231,7 +236,8 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
                 g = lower_bound * _sigmoid(a * x)
             else:                         # -a softplus(x), softplus(x) = max(x, 0) + log(1 + exp(-|x|))
                 g = -a * (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x))))
-            bt = jnp.where(keep, beta_s[t, h], 0.0)
+            b_t = beta_s[t, h]
+            bt = jnp.where(keep, _sigmoid(b_t) if beta_logits else b_t, 0.0)
             q_s[t] = q
             k_s[t] = k
             kb_s[t] = k * bt

@@ -108,6 +108,30 @@ def test_interpret_prefix_is_the_shorter_block(n):
     assert _rel(s, _reference(args, n, dtype=jnp.float64)[1]) <= 1e-5
 
 
+
+def _logit_inputs(T, seed, dtype=BF16, H=2, K=64):
+    """_inputs with beta replaced by logits (wide: sigmoid from ~0.01 to ~0.99)."""
+    args = list(_inputs(1, T, H, K, dtype=dtype, seed=seed))
+    logits = 2.5 * jax.random.normal(jax.random.PRNGKey(seed + 77), args[5].shape, F32)
+    return args, logits
+
+
+@pytest.mark.parametrize("T,n", [(1, None), (9, None), (9, 4)])
+@interpret_only
+def test_interpret_beta_logits_apply_the_sigmoid(T, n):
+    """beta_logits=True (the model's fused path, session 24): the kernel applies the sigmoid to each
+    token's beta itself, the same outputs as beta = sigmoid(logits) given (the scalar sigmoid in the
+    kernel and XLA's may differ in the last bit), and the reference does the same."""
+    args, logits = _logit_inputs(T, seed=31 + T)
+    given = list(args)
+    given[5] = jax.nn.sigmoid(logits)
+    args[5] = logits
+    o, s = _run(tuple(args), n, beta_logits=True)
+    ro, rs = _run(tuple(given), n)
+    assert _rel(o, ro) <= 1e-6 and _rel(s, rs) <= 1e-6, (_rel(o, ro), _rel(s, rs))
+    fo, fs = _reference(tuple(args), n, dtype=jnp.float64, beta_logits=True)
+    assert _rel(o, fo) <= 1e-5 and _rel(s, fs) <= 1e-5, (_rel(o, fo), _rel(s, fs))
+
 @interpret_only
 def test_interpret_write_flags():
     args = _inputs(1, 3, 1, 64, seed=9)
@@ -217,6 +241,17 @@ def test_window_output_cross_lowers(T, write_o, block_v):
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("T,write_o", [(1, True), (9, True), (9, False)])
+def test_beta_logits_cross_lower(T, write_o):
+    """beta_logits=True at the Ling shape (decode, verify, commit as the model runs them): the
+    scalar sigmoid per token lowers for CUDA."""
+    args = _inputs(1, T, 32, 128, dtype=BF16)
+    fn = jax.jit(lambda *a: kda_fused_step_pallas(*a, jnp.int32(T), write_o=write_o, write_state=not write_o or T == 1,
+                                                  state_in_place=not write_o, write_window=not write_o,
+                                                  beta_logits=True))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_own_barriers_build_cross_lowers(monkeypatch):
     """OWN_BARRIERS = True (no automatic SMEM barriers, bench/kernels.py --own-barriers) lowers
     too, to a different module than the default."""
@@ -246,6 +281,18 @@ def test_gpu_matches_reference(T, dtype, safe_gate):
     n = max(T // 2, 1)
     _, sp = _run(args, n, interpret=False, write_o=False, safe_gate=safe_gate)
     assert _rel(sp, _reference(args, n, dtype=jnp.float64, safe_gate=safe_gate)[1]) <= 1e-5
+
+
+@gpu_only
+@pytest.mark.parametrize("T,n", [(1, None), (9, None), (9, 4)])
+def test_gpu_beta_logits_apply_the_sigmoid(T, n):
+    args, logits = _logit_inputs(T, seed=31 + T, H=32, K=128)
+    given = list(args)
+    given[5] = jax.nn.sigmoid(logits)
+    args[5] = logits
+    o, s = _run(tuple(args), n, interpret=False, beta_logits=True)
+    ro, rs = _run(tuple(given), n, interpret=False)
+    assert _rel(o, ro) <= 1e-6 and _rel(s, rs) <= 1e-6, (_rel(o, ro), _rel(s, rs))
 
 
 @gpu_only

@@ -111,16 +111,17 @@ def bound_arg(bound):
 GATE_REDUCE_MAX_TOKENS = 16
 
 
-def head_gate(x, w):
+def head_gate(x, w, *, logits: bool = False):
     """sigmoid(x w^T): x [B, T, D], w [H, D] (K-minor) -> [B, T, H] in the accumulation dtype
-    (see GATE_REDUCE_MAX_TOKENS for how it is computed)."""
+    (see GATE_REDUCE_MAX_TOKENS for how it is computed); logits=True: x w^T, the sigmoid left to
+    the consumer (the fused KDA step applies it in its kernel)."""
     acc = acc_dtype(x.dtype)
     w = w.astype(acc)
     if x.shape[0] * x.shape[1] <= GATE_REDUCE_MAX_TOKENS:
-        logits = jnp.sum(x.astype(acc)[:, :, None, :] * w, axis=-1)
+        logits_ = jnp.sum(x.astype(acc)[:, :, None, :] * w, axis=-1)
     else:
-        logits = jnp.einsum("btd,hd->bth", x.astype(acc), w)
-    return jax.nn.sigmoid(logits)
+        logits_ = jnp.einsum("btd,hd->bth", x.astype(acc), w)
+    return logits_ if logits else jax.nn.sigmoid(logits_)
 
 
 # ---- rotary embeddings -----------------------------------------------------------------------

@@ -66,7 +66,7 @@ class KDAPendingFused:
     identity updates) from the start state."""
     start: KDAState      # state and conv window before the block
     proj: jax.Array      # [B, T, 5, H, K] the block's input projection
-    beta: jax.Array      # [B, T, H]
+    beta: jax.Array      # [B, T, H] logits: x w_beta before the sigmoid (the kernel applies it)
     conv_w: jax.Array    # [ks, 3, H, K]
     A_log: jax.Array     # [H]
     dt_bias: jax.Array   # [H, K]
@@ -201,10 +201,12 @@ class KDA(nnx.Module):
             w_in = self.w_in[...]
             proj = jnp.einsum("btd,chkd->btchk", x.astype(w_in.dtype), w_in)   # [B, T, 5, H, K]
         conv_in = jnp.concatenate([cache.conv, proj[:, :, :3]], axis=1)     # [B, ks-1+T, 3, H, K]
-        beta = head_gate(x, self.w_beta[...])                                 # [B, T, H]
+        step_kernel = self._step_kernel(t, pending)
+        # [B, T, H]; the fused step takes the logits and applies the sigmoid itself (one XLA kernel fewer)
+        beta = head_gate(x, self.w_beta[...], logits=step_kernel)
         s0 = widen_state(cache.state, acc)
         window = None               # the conv window after the block, when the fused step writes it
-        if self._step_kernel(t, pending):
+        if step_kernel:
             o, s, window = self._fused_step(proj, cache, beta, s0, pending, valid_len)
         else:
             q, k, v, g = kda_ops.kda_block_inputs(conv_in, proj[:, :, 3], self.conv[...], self.A_log[...],
@@ -224,7 +226,7 @@ class KDA(nnx.Module):
                 o, s = kda_ops.kda_chunked(q, k, v, g, beta, s0)
         y = self._output(o, proj[:, :, 4], x.dtype)
         if pending:
-            if self._step_kernel(t, pending):
+            if step_kernel:
                 return y, KDAPendingFused(cache, proj, beta, *self._step_params(), cfg.kda_safe_gate,
                                           float(cfg.kda_lower_bound))
             return y, KDAPending(cache, k, v, g, beta, conv_in)
@@ -251,7 +253,7 @@ class KDA(nnx.Module):
         last two None for a verify; the window also None unless WINDOW_FROM_KERNEL."""
         cfg = self.cfg
         args, head_axes = (proj, cache.conv, *self._step_params(), beta, s0), _STEP_HEAD_AXES
-        settings = dict(safe_gate=cfg.kda_safe_gate, lower_bound=float(cfg.kda_lower_bound))
+        settings = dict(safe_gate=cfg.kda_safe_gate, lower_bound=float(cfg.kda_lower_bound), beta_logits=True)
         if pending:
             return _pallas(_fused_verify, *args, head_axes=head_axes, out_head_axes=_O_HEADS, **settings), None, None
         if valid_len is not None:          # padded tokens become identity updates
@@ -297,7 +299,7 @@ def commit_prefix(p: KDAPending | KDAPendingFused, n) -> KDAState:
         s0 = widen_state(p.start.state, p.A_log.dtype)     # A_log is in the accumulation dtype
         args = (p.proj, p.start.conv, p.conv_w, p.A_log, p.dt_bias, p.beta, s0, jnp.asarray(n, jnp.int32))
         settings = dict(head_axes=_STEP_HEAD_AXES + (None,), safe_gate=p.safe_gate, lower_bound=p.lower_bound,
-                        state_in_place=_state_in_place())
+                        state_in_place=_state_in_place(), beta_logits=True)
         if WINDOW_FROM_KERNEL:
             s, conv = _pallas(_fused_commit, *args, out_head_axes=(_STATE_HEADS, _WINDOW_HEADS),
                               write_window=True, **settings)

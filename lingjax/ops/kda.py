@@ -241,17 +241,19 @@ def kda_block_inputs(conv_in, f, conv_w, A_log, dt_bias, *, safe_gate=True, lowe
 
 
 def kda_fused_step(proj, window, conv_w, A_log, dt_bias, beta, state, n=None, *, safe_gate=True,
-                   lower_bound=-5.0, scale=None):
+                   lower_bound=-5.0, scale=None, beta_logits=False):
     """What a KDA layer computes between its input projection and its output norm for a short block
     (the XLA reference of pallas_kernels.kda_step_fused): :func:`kda_block_inputs`, then the
     recurrence from `state`.
 
     proj [B,T,P,H,K] (channels q, k, v, f, ...); window [B,ks-1,3,H,K] conv history; conv_w
-    [ks,3,H,K]; A_log [H]; dt_bias [H,K]; beta [B,T,H] (sigmoid applied); state [B,H,K,V]; n (traced
-    int, optional): tokens t >= n are identity updates (g = 0, beta = 0). Returns (o [B,T,H,V],
-    state after the block) in the accumulation dtype.
+    [ks,3,H,K]; A_log [H]; dt_bias [H,K]; beta [B,T,H] (sigmoid applied; beta_logits=True: before
+    it); state [B,H,K,V]; n (traced int, optional): tokens t >= n are identity updates (g = 0,
+    beta = 0). Returns (o [B,T,H,V], state after the block) in the accumulation dtype.
     """
     T = proj.shape[1]
+    if beta_logits:
+        beta = jax.nn.sigmoid(beta)
     conv_in = jnp.concatenate([window.astype(proj.dtype), proj[:, :, :3]], axis=1)
     q, k, v, g = kda_block_inputs(conv_in, proj[:, :, 3], conv_w, A_log, dt_bias,
                                   safe_gate=safe_gate, lower_bound=lower_bound)
