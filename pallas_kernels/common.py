@@ -57,9 +57,10 @@ def f16_rows(x, rows: int, bound=None):
     ``bound`` (float32 scalar, traced or not; session 24): the caller guarantees |x| <= bound
     everywhere (an RMSNorm's output, `lingjax.model.common.rms_norm_bound`), and every row takes
     the exponent of the bound instead of its own max: no reduction over x (one XLA kernel fewer
-    per call, and a bound computed from weights only is hoisted out of a decode loop). Values
-    above ~2**-28 * bound stay exact; a value more than ~2x the bound would overflow f16 to inf
-    (a loud failure, never a silently different result)."""
+    per call; the model's bounds are recorded numbers, constants in the step: a bound computed
+    from the weights inside the step was not hoisted out of the decode loop by XLA). Values above
+    ~2**-28 * bound stay exact; a value more than ~2x the bound would overflow f16 to inf (a loud
+    failure, never a silently different result)."""
     M, K = x.shape
     xf = x.astype(jnp.bfloat16).astype(jnp.float32)
     # the exponent from the max's bits: one reduction, no frexp (its zero / subnormal / non-finite
