@@ -133,7 +133,7 @@ def _operands(rhs: str, start: int) -> tuple[str, ...]:
     return tuple(t.split()[-1].lstrip("%") for t in out if t.strip())
 
 
-def _parse_hlo(text: str):
+def parse_hlo(text: str):
     """(module name, {computation: [instruction names]}, {instruction: _Instr})."""
     m = _MODULE.search(text.lstrip())
     module = m.group(1) if m else ""
@@ -269,7 +269,7 @@ def hlo_components(text: str) -> dict[str, str | None]:
     reduce, gather...), else its root's, else that of all its ops; an instruction with no op_name
     anywhere (made by an XLA pass) takes the component of its nearest scoped operands and users
     (through bitcasts, copies...) if they all agree."""
-    _, comps, instrs = _parse_hlo(text)
+    _, comps, instrs = parse_hlo(text)
     return _components(comps, instrs)[0]
 
 
@@ -287,7 +287,7 @@ class HloIndex:
         self.kernels: dict[str, dict[str, str | None]] = {}      # module -> sanitized -> component
         self.collectives: dict[str, set[str]] = {}               # module -> collective instrs
         for text in hlo_texts:
-            module, comps, instrs = _parse_hlo(text)
+            module, comps, instrs = parse_hlo(text)
             ops, self.anonymous[module] = _components(comps, instrs)
             self.ops[module] = ops
             self.containers[module] = {n for n, i in instrs.items() if i.opcode in CONTAINER_OPS}

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.profile_breakdown import _parse_hlo, hlo_components
+from bench.profile_breakdown import hlo_components, parse_hlo
 
 # XLA's GpuTargetConfigProto for one H200 SXM (141 GB HBM3e, 4.8 TB/s, 132 SMs, sm_90), in the text
 # format of XLA's hlo_opt gpu_specs files. Only what the compiler reads for fusion / tiling choices.
@@ -76,6 +76,7 @@ _NO_KERNEL = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", 
 _BODY = re.compile(r"\bbody=%?([^\s,{}()]+)")
 _NAME = re.compile(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_ENTRY = re.compile(r"^ENTRY\s+%?([^\s(]+)", re.M)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,15 +122,14 @@ def step_kernels(hlo_text: str) -> list[dict]:
     """The kernel-launching instructions of the compiled loop's while body (walked into nested
     calls, conditionals and loops), in program order: [{name, opcode, target, component, nested}]
     (target: a custom call's target; nested: inside a loop within the step)."""
-    _, comps, instrs = _parse_hlo(hlo_text)
+    _, comps, instrs = parse_hlo(hlo_text)
     comp_of_instr = hlo_components(hlo_text)
     bodies = [b for line in hlo_text.splitlines() if " while(" in line for b in _BODY.findall(line)]
     if not bodies:
         raise ValueError("no while loop in this HLO: pass the compiled generation loop (Decoder.run)")
     entry_body = None     # the outermost while: the one called from the ENTRY computation
-    entry = next((c for c in comps if hlo_text.find(f"ENTRY %{c} ") >= 0 or hlo_text.find(f"ENTRY {c} ") >= 0),
-                 None)
-    for name in comps.get(entry, []):
+    entry = _ENTRY.search(hlo_text)
+    for name in comps.get(entry.group(1) if entry else None, []):
         if instrs[name].opcode == "while":
             entry_body = next((c for c in instrs[name].callees if c in bodies), None)
     if entry_body is None:
@@ -180,8 +180,13 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if a.layers < 1 or a.block_size < 1:
         ap.error("--layers and --block-size must be >= 1")
-    cfg_text = (Path(a.target_config).read_text() if a.target_config else
-                H200_TARGET_CONFIG_TEMPLATE.replace("MEMORY_BYTES", str(int(a.memory_gib * 2 ** 30))))
+    if a.memory_gib <= 0:
+        ap.error(f"--memory-gib must be > 0, got {a.memory_gib}")
+    try:
+        cfg_text = (Path(a.target_config).read_text() if a.target_config else
+                    H200_TARGET_CONFIG_TEMPLATE.replace("MEMORY_BYTES", str(int(a.memory_gib * 2 ** 30))))
+    except OSError as e:
+        ap.error(f"--target-config: {e}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")        # the host runs nothing; XLA compiles for `dev`
     from lingjax import xla_env
     xla_env.configure()

@@ -50,6 +50,20 @@ def kernel_forward(model, tokens, cache, **kw):
         return jax.jit(lambda t, c: model(t, c, **kw))(tokens, cache)
 
 
+def _eqns(jaxpr, stop=lambda eqn: False):
+    """Every equation of one run of `jaxpr`, those of nested jaxprs (calls, loops, kernels)
+    included, but not inside an equation `stop` accepts (that one is yielded, its body is not)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if stop(eqn):
+            continue
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner, stop)
+
+
 def kernel_call_shapes(fn, *args, name: str) -> list[tuple[int, ...]]:
     """The first operand's shape of each call of the jitted kernel entry point `name`
     (lingjax.model.kernels.shared_call jits it under the function's name) that one run of
@@ -57,19 +71,17 @@ def kernel_call_shapes(fn, *args, name: str) -> list[tuple[int, ...]]:
     with kernel_mode():
         closed = jax.make_jaxpr(fn)(*args)
 
-    def walk(jaxpr) -> list:
-        out = []
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == name:
-                out.append(tuple(eqn.invars[0].aval.shape))
-                continue
-            for v in eqn.params.values():
-                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        out += walk(inner)
-        return out
-    return walk(closed.jaxpr)
+    def is_call(eqn) -> bool:
+        return eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == name
+    return [tuple(e.invars[0].aval.shape) for e in _eqns(closed.jaxpr, is_call) if is_call(e)]
+
+
+def primitive_calls(fn, *args, name: str) -> int:
+    """How many times one run of fn(*args), traced in `kernel_mode`, applies the primitive `name`
+    outside kernel bodies (each call site of a nested jitted function counted)."""
+    with kernel_mode():
+        closed = jax.make_jaxpr(fn)(*args)
+    return sum(e.primitive.name == name for e in _eqns(closed.jaxpr, lambda e: e.primitive.name == "pallas_call"))
 
 
 def kernel_calls(fn, *args, name: str) -> int:

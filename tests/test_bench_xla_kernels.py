@@ -122,3 +122,12 @@ def _has_cuda_plugin() -> bool:
             importlib.util.find_spec(f"jax_plugins.{m}") is not None for m in ("xla_cuda13", "xla_cuda12"))
     except ModuleNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("argv,msg", [(["--memory-gib", "0"], "--memory-gib must be > 0"),
+                                      (["--target-config", "/nonexistent/h200.txtpb"], "--target-config"),
+                                      (["--layers", "0"], "--layers and --block-size")])
+def test_bad_arguments_exit_2_with_the_reason(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        xla_kernels.main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err

@@ -6,13 +6,12 @@ layers then pass it to the kernels, which drop their per-call reduction over x."
 from __future__ import annotations
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import kernel_mode, random_model, tiny_config
+from helpers import kernel_mode, primitive_calls, random_model, tiny_config
 from lingjax.model.common import RMSNorm, record_input_bounds, rms_norm, rms_norm_bound
 from lingjax.model.dense import set_dense_kernel
 from lingjax.model.kda import KDA
@@ -84,27 +83,8 @@ def test_kernel_switches_record_the_bounds(setter):
     assert all(m.o_bound is not None for _, m in nnx.iter_modules(model) if isinstance(m, KDA))
 
 
-def _count(jaxpr, name: str) -> int:
-    """Calls of primitive `name` in one run of `jaxpr`, nested calls included (each call site
-    counted), kernel bodies (pallas_call) not."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == name
-        if eqn.primitive.name == "pallas_call":
-            continue
-        for v in eqn.params.values():
-            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    n += _count(sub.jaxpr, name)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    n += _count(sub, name)
-    return n
-
-
 def _reduce_max_count(model, tokens, cache, **kw):
-    with kernel_mode():
-        closed = jax.make_jaxpr(lambda t, c: model(t, c, **kw))(tokens, cache)
-    return _count(closed.jaxpr, "reduce_max")
+    return primitive_calls(lambda t, c: model(t, c, **kw), tokens, cache, name="reduce_max")
 
 
 def test_bounds_remove_the_kernels_input_reductions():

@@ -118,10 +118,10 @@ def head_gate(x, w, *, logits: bool = False):
     acc = acc_dtype(x.dtype)
     w = w.astype(acc)
     if x.shape[0] * x.shape[1] <= GATE_REDUCE_MAX_TOKENS:
-        logits_ = jnp.sum(x.astype(acc)[:, :, None, :] * w, axis=-1)
+        z = jnp.sum(x.astype(acc)[:, :, None, :] * w, axis=-1)
     else:
-        logits_ = jnp.einsum("btd,hd->bth", x.astype(acc), w)
-    return logits_ if logits else jax.nn.sigmoid(logits_)
+        z = jnp.einsum("btd,hd->bth", x.astype(acc), w)
+    return z if logits else jax.nn.sigmoid(z)
 
 
 # ---- rotary embeddings -----------------------------------------------------------------------
