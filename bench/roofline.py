@@ -21,7 +21,9 @@ static-size caches past the valid context (the real kernels may read it; the roo
 fp8 = weight-only fp8 (1 byte + one fp32 scale per 128x128 block) for the matrices that a
 fp8 checkpoint quantises; embed, lm_head, router, norms and the draft stay in the activation dtype,
 and so do the per-head gates w_beta / g_proj, which an fp8 model holds dequantised
-(lingjax.param_layout.LING_DEQUANTISED_AT_LOAD).
+(lingjax.param_layout.LING_DEQUANTISED_AT_LOAD). MLA's kv_b, held dequantised too since session
+25, is counted at fp8 (4.2 MB a layer at the Ling shape): the bytes the step must read, which the
+bf16 copy exceeds by choice.
 """
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ Needs jax's CUDA plugin (`pip install "jax[cuda13]==0.11.2"`, the device machine
 separate venv) but no GPU: XLA compiles deviceless for a GPU described by a target config
 (`--target-config`, default: the H200's numbers below). Builds the batch-1 benchmark's model
 abstractly (random-weight shapes, `nnx.eval_shape`: nothing is allocated but the norm weights,
-ones as there, so the kernels get the benchmark's input bounds), with the --kernels switches on
-(Mosaic GPU kernels are emitted compiled, as `lingjax.model.kernels.pallas_cross_lowering` does),
-lowers `Decoder.prefill` and then `Decoder.run` (the generation loop), compiles the loop and
+ones as there, and MLA's kv_b, so the kernels get input bounds as in the benchmark), with the
+--kernels switches on (Mosaic GPU kernels are emitted compiled, as
+`lingjax.model.kernels.pallas_cross_lowering` does), lowers `Decoder.prefill` and then `Decoder.run` (the generation loop), compiles the loop and
 counts the GPU kernels in its while-loop body: every fusion, custom call (Mosaic GPU kernels are
 `mosaic_gpu_v2`), copy and sort, per component (`bench.profile_breakdown.hlo_components`: kda, moe,
 mla, commit, draft, ...). The same count the H200's profiles show per step (checked: equal for every
@@ -224,6 +224,9 @@ def main(argv=None) -> dict:
         for _, name in getattr(type(m), "NORM_BOUNDS", ()):     # has them: the recorded input bounds
             v = getattr(m, name)
             v.set_value(jnp.ones(v.get_value().shape, v.get_value().dtype))
+        for name in getattr(type(m), "BOUND_WEIGHTS", ()):      # other weights a recorded bound reads (MLA's
+            v = getattr(m, name)                                # kv_b): concrete too; only that a bound exists
+            v.set_value(jnp.full(v.get_value().shape, 0.02, v.get_value().dtype))   # matters to the count
     if a.kernels == "pallas":
         set_moe_kernel(target, "pallas")
         set_dense_kernel(target, "pallas")

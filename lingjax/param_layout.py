@@ -102,9 +102,12 @@ LING_HIGH_PRECISION = {"embed", "lm_head", "router", "weight", "o_norm", "A_log"
 # (lingjax.model.common.head_gate). Dequantised per call, XLA spends one kernel per layer and step
 # on it (a [H, D] float32 multiply before the reduction: deviceless H200 compile, bench/xla_kernels.py,
 # session 24); held dequantised, the reduction reads them as they are, for 80 KB more per layer.
-# (Session 22 also held MLA's kv_b dequantised: measured slower together, reverted; kv_b dequantised
-# changes no kernel count, so it stays fp8.)
-LING_DEQUANTISED_AT_LOAD = frozenset({"w_beta", "g_proj"})
+# MLA's kv_b [L, H, nope + V] (4.2 MB of fp8 per layer at the Ling shape), likewise: the decode
+# attention's two absorbed products read all of it (lingjax.model.mla `_attend_pallas`); dequantised
+# per call, XLA writes a copy of it first (deviceless H200 compile, session 25; session 22 held kv_b
+# and the gates dequantised together with the sliced products, which still copied the halves, and
+# measured that slower: run 84). bench/roofline.py still counts kv_b at fp8, the bytes it must read.
+LING_DEQUANTISED_AT_LOAD = frozenset({"w_beta", "g_proj", "kv_b"})
 
 
 def ling_layout(path: tuple, shape) -> Matrix | Vector | Conv:

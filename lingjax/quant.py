@@ -15,8 +15,8 @@ is the baseline the weight-streaming kernels are measured against.
 
 Which parameters: the `Matrix` layouts outside `LING_HIGH_PRECISION` (embedding, lm_head, router,
 norms, gates' biases and the KDA conv stay in the compute dtype), i.e. what a published FP8
-checkpoint quantises, except `LING_DEQUANTISED_AT_LOAD` (the per-head gates w_beta and g_proj), which
-are stored as fp8 but held dequantised (lingjax/param_layout.py says why).
+checkpoint quantises, except `LING_DEQUANTISED_AT_LOAD` (the per-head gates w_beta and g_proj, and
+MLA's kv_b), which are stored as fp8 but held dequantised (lingjax/param_layout.py says why).
 """
 from __future__ import annotations
 

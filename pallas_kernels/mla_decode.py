@@ -162,7 +162,8 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
     pos = jnp.asarray(pos, jnp.int32)
     pad = ((0, 0), (0, Rp - R), (0, 0))
     ql, qr = (q_lat, q_rope) if Rp == R else (jnp.pad(q_lat, pad), jnp.pad(q_rope, pad))
-    end = (pos + T).reshape(1)          # the block's end
+    pos1 = pos.reshape(1)               # the block's first position (pos + T, its end, is computed in
+                                        # the kernel: as an XLA add it was a kernel launch per call)
     scale_log2 = float(scale) * _LOG2E
     row = plgpu.Layout.WGMMA.reduce(1)
     nbuf = nblk + 1                     # TMA copies per chunk: the latent column blocks, the rope key
@@ -206,9 +207,9 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
         """log2 of each row's softmax denominator (max included); -inf where nothing was seen."""
         return jnp.where(l > 0.0, m + jnp.log(jnp.where(l > 0.0, l, 1.0)) * _LOG2E, -jnp.inf)
 
-    def _chunk_range(end_g, sp):
+    def _chunk_range(pos_g, sp):
         """Split sp's chunks [lo, hi): an even share of the ceil((pos + T) / bs) any row sees."""
-        n_need = (end_g[0] + (bs - 1)) // bs
+        n_need = (pos_g[0] + (T + bs - 1)) // bs
         per = (n_need + (n_split - 1)) // n_split
         lo = jnp.minimum(sp * per, n_need)
         return lo, jnp.minimum(lo + per, n_need)
@@ -231,10 +232,10 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
         for i in range(nblk + 1):
             plgpu.barrier_wait(qbar.at[i])
 
-    def _row_limits(end_g, r):
+    def _row_limits(pos_g, r):
         """[64] the last position each row of tile r sees: pos + its token (pad rows: the last)."""
         t = (r * BLOCK_ROWS + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0, layout=row)) // heads
-        return (end_g[0] - T) + jnp.minimum(t, T - 1)
+        return pos_g[0] + jnp.minimum(t, T - 1)
 
     def _rows_out(r, put):
         """put(n) for the tile's real rows: 64, or the last tile's Ro - (row_tiles - 1) * 64."""
@@ -244,11 +245,11 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
             pl.when(r < row_tiles - 1)(lambda: put(BLOCK_ROWS))
             pl.when(r == row_tiles - 1)(lambda: put(last_rows))
 
-    def body(ql_g, qr_g, lat_g, kr_g, end_g, o_g, lse_g):
+    def body(ql_g, qr_g, lat_g, kr_g, pos_g, o_g, lse_g):
         b, r = lax.axis_index("b"), lax.axis_index("r")
         j, sp = lax.axis_index("c"), lax.axis_index("s")
         rows = pl.ds(r * BLOCK_ROWS, BLOCK_ROWS)
-        lo, hi = _chunk_range(end_g, sp)
+        lo, hi = _chunk_range(pos_g, sp)
 
         def attend(q_s, qr_s, lat_s, kr_s, qbar, bars, *p_s):
             _load_q(ql_g, qr_g, b, rows, q_s, qr_s, qbar)
@@ -261,7 +262,7 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
                 issue(lo, 0)
 
             _wait_q(qbar)
-            lim = _row_limits(end_g, r)              # [64]: broadcast where used (a [64, bs] int32 tile
+            lim = _row_limits(pos_g, r)              # [64]: broadcast where used (a [64, bs] int32 tile
                                                      # live across the loop would hold 32 registers)
 
             def chunk(c, carry):
@@ -311,7 +312,7 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
 
         pl.run_scoped(emit, plgpu.SMEM((BLOCK_ROWS, cb), _F32), plgpu.SMEM((BLOCK_ROWS,), _F32))
 
-    def body_two(ql_g, qr_g, lat_g, kr_g, end_g, o_g, lse_g):
+    def body_two(ql_g, qr_g, lat_g, kr_g, pos_g, o_g, lse_g):
         """warpgroups=2 (module docstring): program (b, r, s) holds both column blocks. Per chunk,
         warpgroup 0: scores, softmax, P and alpha to SMEM, `p_ready`, block 0's P . latent, `free0`;
         warpgroup 1: waits `p_ready`, block 1's P . latent, waits `free0`, `w1_done` (warpgroup 0
@@ -321,7 +322,7 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
         b, r, sp = lax.axis_index("b"), lax.axis_index("r"), lax.axis_index("s")
         wg = lax.axis_index("wg")
         rows = pl.ds(r * BLOCK_ROWS, BLOCK_ROWS)
-        lo, hi = _chunk_range(end_g, sp)
+        lo, hi = _chunk_range(pos_g, sp)
 
         def scoped(q_s, qr_s, kr_s, rv_s, union, qbar, bars, p_ready, free0, w1_done, fin, l_ready):
             lat_s, o_s = union      # rv_s [2, 64]: chunk c's alpha in its slot's row; then l, lse
@@ -345,7 +346,7 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
                 for k in range(2):
                     pl.when(lo + k < hi)(lambda k=k: issue(lo + k, k))
                 _wait_q(qbar)
-                lim = _row_limits(end_g, r)
+                lim = _row_limits(pos_g, r)
 
                 def chunk(c, carry):
                     acc, m, l = carry
@@ -428,7 +429,7 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
         interpret=interpret if interpret else None,
         **threads,
     )
-    o_part, lse = kernel(ql, qr, latent, k_rope, end)
+    o_part, lse = kernel(ql, qr, latent, k_rope, pos1)
     return combine_splits(o_part, lse)[:, :R]
 
 

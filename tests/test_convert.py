@@ -255,8 +255,8 @@ def test_fp8_weights_load_as_block_fp8(fp8_dir, converted):
             owner = owner[p] if isinstance(p, int) else getattr(owner, p)
         assert np.asarray(fw[...]).tobytes() == np.asarray(owner.get_value()).tobytes(), path
     stored = json.loads((keep / "manifest.json").read_text())["params"]
-    held = [(i, n) for i, layer in enumerate(q.layers) for n in ("w_beta", "g_proj") if hasattr(layer.attn, n)]
-    assert {n for _, n in held} == {"w_beta", "g_proj"}
+    held = [(i, n) for i, layer in enumerate(q.layers) for n in ("w_beta", "g_proj", "kv_b") if hasattr(layer.attn, n)]
+    assert {n for _, n in held} == {"w_beta", "g_proj", "kv_b"}
     for i, n in held:      # stored fp8, held dequantised (param_layout.LING_DEQUANTISED_AT_LOAD)
         w = getattr(q.layers[i].attn, n)
         assert isinstance(w, nnx.Param) and w.get_value().dtype == jnp.float32

@@ -14,7 +14,10 @@ from flax import nnx
 from helpers import kernel_mode, primitive_calls, random_model, tiny_config
 from lingjax.model.common import RMSNorm, record_input_bounds, rms_norm, rms_norm_bound
 from lingjax.model.dense import set_dense_kernel
+from lingjax.cache import MLAState
+from lingjax.model import dense as dense_proj
 from lingjax.model.kda import KDA
+from lingjax.model.mla import GatedMLA, mla_output_bound
 from lingjax.model.mlp import set_moe_kernel
 from lingjax.quant import Fp8Weight, quantize_model
 
@@ -56,6 +59,51 @@ def test_bound_of_abstract_or_zero_weights():
     assert rms_norm_bound(jnp.zeros((64,), jnp.bfloat16)) == 0.0
 
 
+def test_mla_output_bound_of_abstract_or_zero_weights():
+    w = jnp.ones((64,), jnp.bfloat16)
+    assert mla_output_bound(jax.ShapeDtypeStruct((64,), jnp.bfloat16), jnp.ones((64, 2, 8)), 4) is None
+    assert mla_output_bound(w, jax.ShapeDtypeStruct((64, 2, 8), jnp.bfloat16), 4) is None
+    assert mla_output_bound(w, jnp.zeros((64, 2, 8), jnp.bfloat16), 4) == 0.0
+    kv_b = np.zeros((64, 2, 8), np.float32)
+    kv_b[:, 1, 5] = -0.5                        # W_uv column (h 1, v 1): l1 norm 32
+    kv_b[:, 0, 0] = 9.0                         # a W_uk column: not part of the bound
+    assert mla_output_bound(w, jnp.asarray(kv_b), 4) == pytest.approx(rms_norm_bound(w) * 32)
+
+
+def test_mla_output_bound_holds_in_the_layer(monkeypatch):
+    """|o| at the gated MLA's output projection stays within the layer's recorded o_bound, over a
+    spiky prompt (a few huge hidden values: the latent norm's outputs near their bound) and the
+    decode / verify blocks after it, on the absorbed and expanded attention paths."""
+    model = random_model(CFG, jnp.bfloat16, seed=5)
+    layer = next(m for _, m in nnx.iter_modules(model) if isinstance(m, GatedMLA))
+    rng = np.random.default_rng(1)
+    lat_w = layer.kv_a_norm.weight
+    lat_w.set_value(jnp.asarray(rng.normal(0, 2, lat_w.shape), lat_w.dtype))   # signed, > 1
+    record_input_bounds(model)
+    assert layer.o_bound is not None and layer.o_bound > 0
+    seen = []
+
+    def capture(x, weight, *, k_axes=1, out_dtype=None, x_bound=None):
+        seen.append((float(jnp.abs(x.astype(jnp.float32)).max()), x_bound))
+        return jnp.einsum("bthv,hvd->btd", x, weight[...])
+
+    monkeypatch.setattr(GatedMLA, "_kernel", lambda self, name, tokens: name == "dense")
+    monkeypatch.setattr(dense_proj, "dense_matmul", capture)
+    cfg = layer.cfg
+    cache = MLAState(jnp.zeros((1, 64, cfg.kv_lora_rank), jnp.bfloat16),
+                     jnp.zeros((1, 64, cfg.qk_rope_head_dim), jnp.bfloat16))
+    x = rng.normal(0, 1, (1, 40, cfg.hidden_size)).astype(np.float32)
+    x[0, ::7, 3] = 3e3                                                  # spikes
+    x = jnp.asarray(x, jnp.bfloat16)
+    pos = 0
+    for t in (24, 1, 9, 5):                  # a long prefix (expanded path) then short blocks
+        _, cache = layer(x[:, pos:pos + t], cache, jnp.int32(pos))
+        pos += t
+    assert len(seen) == 4 and all(b == layer.o_bound for _, b in seen)
+    top = max(m for m, _ in seen)
+    assert 0 < top <= layer.o_bound, (top, layer.o_bound)
+
+
 def test_record_sets_every_norm_and_the_kda_output_norm():
     model = random_model(CFG, jnp.bfloat16)
     norms = [m for _, m in nnx.iter_modules(model) if isinstance(m, RMSNorm)]
@@ -80,7 +128,7 @@ def test_kernel_switches_record_the_bounds(setter):
     else:
         set_moe_kernel(model, "pallas")
     assert all(m.bound is not None for _, m in nnx.iter_modules(model) if isinstance(m, RMSNorm))
-    assert all(m.o_bound is not None for _, m in nnx.iter_modules(model) if isinstance(m, KDA))
+    assert all(m.o_bound is not None for _, m in nnx.iter_modules(model) if isinstance(m, (KDA, GatedMLA)))
 
 
 def _reduce_max_count(model, tokens, cache, **kw):
@@ -89,8 +137,9 @@ def _reduce_max_count(model, tokens, cache, **kw):
 
 def test_bounds_remove_the_kernels_input_reductions():
     """With the bounds recorded, the fp8 projections' inputs need no max over x: every norm-fed
-    projection of a verify block loses its reduce_max (the rest, e.g. the MoE down projection's and
-    MLA o_proj's inputs, keep theirs), and the logits do not move beyond the f32 summation order."""
+    projection of a verify block and MLA's output projection (`mla_output_bound`) lose their
+    reduce_max (the rest, e.g. the MoE down projection's inputs, keep theirs), and the logits do
+    not move beyond the f32 summation order."""
     model = quantize_model(random_model(CFG, jnp.bfloat16, bias_std=1.0, seed=3))
     set_moe_kernel(model, "pallas")
     set_dense_kernel(model, "pallas")
@@ -102,13 +151,15 @@ def test_bounds_remove_the_kernels_input_reductions():
     for _, m in nnx.iter_modules(model):
         for attr, _ in getattr(type(m), "NORM_BOUNDS", ()):
             setattr(m, attr, None)
+        if isinstance(m, GatedMLA):
+            m.o_bound = None
     without = _reduce_max_count(model, tokens, cache, pending=True)
     with kernel_mode():
         ref = jax.jit(lambda t, c: model(t, c, pending=True))(tokens, cache).logits
-    # the norm-fed fp8 kernel inputs of this model (dense_kernel_plan): KDA w_in and w_out (3
-    # layers), the dense MLPs' w_gate_up (2 layers), MLA q_proj (1), the MoE experts (2 layers);
-    # kv_a and the shared experts stay on XLA by the rule, lm_head is bf16 (no f16 rows)
+    # the bounded fp8 kernel inputs of this model (dense_kernel_plan): KDA w_in and w_out (3
+    # layers), the dense MLPs' w_gate_up (2 layers), MLA q_proj and dense (1 layer), the MoE
+    # experts (2 layers); kv_a and the shared experts stay on XLA by the rule, lm_head is bf16
     assert not isinstance(model.lm_head, Fp8Weight)
-    assert without - with_bounds == 2 * 3 + 2 + 1 + 2, (without, with_bounds)
+    assert without - with_bounds == 2 * 3 + 2 + 2 + 2, (without, with_bounds)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-3 * np.abs(ref).max())

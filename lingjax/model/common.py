@@ -82,7 +82,8 @@ def rms_norm_bound(weight) -> float | None:
 
 def record_input_bounds(model: nnx.Module) -> nnx.Module:
     """Record on every module of `model` with NORM_BOUNDS (RMSNorm: ``bound``; KDA: ``o_bound`` of its
-    output norm) the `rms_norm_bound` of that norm weight as it is now, in place. The layers pass
+    output norm) the `rms_norm_bound` of that norm weight as it is now, in place, and run every
+    module's ``record_bounds()`` (GatedMLA: its output projection's input bound). The layers pass
     these static bounds to the fp8 skinny GEMM and MoE kernels as ``x_bound``, which spares each
     call a reduction over its input (pallas_kernels.common.f16_rows). Called by set_dense_kernel and
     set_moe_kernel (after loading or quantising); call it again after changing a norm weight: a
@@ -91,6 +92,8 @@ def record_input_bounds(model: nnx.Module) -> nnx.Module:
     for _, m in nnx.iter_modules(model):
         for attr, name in getattr(type(m), "NORM_BOUNDS", ()):
             setattr(m, attr, rms_norm_bound(getattr(m, name).get_value()))
+        if hasattr(m, "record_bounds"):      # bounds derived from more than one norm (GatedMLA's o_bound)
+            m.record_bounds()
     return model
 
 

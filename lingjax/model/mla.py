@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from lingjax.approx import quantize_fp8_per_token
@@ -29,7 +30,8 @@ from lingjax.cache import MLAState
 from lingjax.config import LingConfig
 from lingjax.model import dense as dense_proj
 from lingjax.model import kernels
-from lingjax.model.common import RMSNorm, acc_dtype, apply_rope, head_gate, param, rope_cos_sin
+from lingjax.model.common import RMSNorm, acc_dtype, apply_rope, head_gate, param, rms_norm_bound, rope_cos_sin
+from lingjax.quant import Fp8Weight
 from pallas_kernels import mla_decode
 
 # Query blocks shorter than this use the absorbed form.
@@ -66,6 +68,7 @@ def set_mla_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
 class GatedMLA(nnx.Module):
     # dense_kernel projections (lingjax/model/dense.py); kv_b (absorbed einsums / prefill expansion) stays on XLA
     DENSE_WEIGHTS = (("q_a", 1), ("q_b", 1), ("q_proj", 1), ("kv_a", 1), ("dense", 2))
+    BOUND_WEIGHTS = ("kv_b",)       # record_bounds reads it (and the latent norm): bench/xla_kernels.py
 
     def __init__(self, cfg: LingConfig, *, dtype, rngs):
         d, h = cfg.hidden_size, cfg.num_attention_heads
@@ -84,6 +87,12 @@ class GatedMLA(nnx.Module):
         self.kv_b = param(rngs, (lat, h, nope + vd), (None, "heads", None), dtype, std=lat ** -0.5)
         self.g_proj = param(rngs, (h, d), ("heads", "embed"), dtype, std=d ** -0.5)   # K-minor, as published
         self.dense = param(rngs, (h, vd, d), ("heads", None, "embed"), dtype, std=(h * vd) ** -0.5)
+        self.o_bound = None     # static bound on the output projection's input (record_bounds)
+
+    def record_bounds(self):
+        """Record ``o_bound`` (`mla_output_bound` of the latent norm and kv_b as they are now; None for
+        abstract weights): the fp8 output projection's x_bound (lingjax.model.common.record_input_bounds)."""
+        self.o_bound = mla_output_bound(self.kv_a_norm.weight.get_value(), self.kv_b, self.cfg.qk_nope_head_dim)
 
     def __call__(self, x, cache: MLAState, pos, *, x_bound=None):
         """x [B, T, D] at positions pos..pos+T-1 (pos traced int32) -> (y [B, T, D], new MLAState).
@@ -132,7 +141,7 @@ class GatedMLA(nnx.Module):
         gate = head_gate(x, self.g_proj[...])                                # [B, T, H]
         o = (o.astype(acc) * gate[..., None]).astype(x.dtype)
         if self._kernel("dense", b * t):
-            return dense_proj.dense_matmul(o, self.dense, k_axes=2), cache
+            return dense_proj.dense_matmul(o, self.dense, k_axes=2, x_bound=self.o_bound), cache
         return jnp.einsum("bthv,hvd->btd", o, self.dense[...]), cache
 
     def _kernel(self, name, tokens):
@@ -194,15 +203,38 @@ class GatedMLA(nnx.Module):
         if kernels.current_mesh() is not None:
             raise ValueError("mla_kernel='pallas' is not split over a device mesh yet; use mla_kernel='xla'")
         acc = acc_dtype(q_nope.dtype)
+        # both products over the whole of kv_b [L, H, nope + V] (q_nope padded with zero columns, the
+        # output's first nope columns dropped: the same sums): sliced into W_uk / W_uv, XLA spent a
+        # kernel per call on the halves (a float32 copy of both, 16.8 MB written and read back at the
+        # Ling shape; with bf16 kv_b a copy of each). Held in bf16 (param_layout.LING_DEQUANTISED_AT_LOAD),
+        # the two dots read kv_b as it is (deviceless H200 compile, bench/xla_kernels.py, session 25).
         kv_b = self.kv_b[...]
-        q_lat = jnp.einsum("bthn,lhn->bthl", q_nope.astype(acc), kv_b[..., :nope].astype(acc))
+        q_full = jnp.pad(q_nope.astype(kv_b.dtype), ((0, 0),) * 3 + ((0, kv_b.shape[-1] - nope),))
+        q_lat = jnp.einsum("bthe,lhe->bthl", q_full, kv_b, preferred_element_type=acc)
         rows = lambda a: a.astype(jnp.bfloat16).reshape(b, t * h, -1)      # noqa: E731  [B, T*H, .], t-major
         _, s_len, lat = cache.latent.shape
         wgs = mla_decode.warpgroups_for(lat, cache.k_rope.shape[-1], s_len)   # explicit: part of the trace key
         o_lat = kernels.shared_call(mla_decode.mla_decode_attention_pallas, rows(q_lat), rows(q_rope), cache.latent,
                                     cache.k_rope, pos, heads=h, scale=float(self.cfg.attention_scale),
                                     warpgroups=wgs, interpret=kernels.interpret_arg("mla_kernel"))
-        return jnp.einsum("bthl,lhv->bthv", o_lat.reshape(b, t, h, -1), kv_b[..., nope:].astype(acc))
+        return jnp.einsum("bthl,lhe->bthe", o_lat.reshape(b, t, h, -1), kv_b.astype(acc))[..., nope:]
+
+
+def mla_output_bound(latent_norm_weight, kv_b, nope: int) -> float | None:
+    """A number no |o| of the gated MLA's output projection input exceeds, for any input: o = gate *
+    sum_l o_lat[l] W_uv[l, h, v] with W_uv = kv_b[..., nope:], the gate in (0, 1) and o_lat a
+    softmax-weighted mean of cached latents (absorbed, Pallas or expanded alike), each at most
+    `rms_norm_bound`(latent norm weight) in size, so |o| <= that bound * max over (h, v) of
+    sum_l |W_uv[l, h, v]|. The latent bound's factor 2 covers the roundings (bf16 / fp8 cache,
+    bf16 probabilities summing to just over 1, the float32 products). None for abstract weights."""
+    lat = rms_norm_bound(latent_norm_weight)
+    held = kv_b.values if isinstance(kv_b, Fp8Weight) else kv_b        # a parameter or an array
+    raw = held.get_value() if isinstance(held, nnx.Variable) else held
+    if lat is None or isinstance(raw, (jax.ShapeDtypeStruct, jax.core.Tracer)):
+        return None
+    w = kv_b[...] if isinstance(kv_b, (Fp8Weight, nnx.Variable)) else kv_b
+    w_uv = np.abs(np.asarray(w, np.float32)[..., nope:])
+    return float(lat * w_uv.sum(axis=0).max()) if w_uv.size else 0.0
 
 
 def _write_fp8(cache: MLAState, latent, k_rope, pos) -> MLAState:
