@@ -152,6 +152,11 @@ def test_grouped_selection_is_the_masked_top_k(e, n_group, topk_group, top_k, se
     got = select(b, n_group, topk_group, top_k)
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if select is moe_ops.grouped_top_k_by_merge:      # a payload rides through the reductions with its entry
+        pay = jnp.asarray(rng.standard_normal((32, e)), jnp.float32)
+        got, vals = select(b, n_group, topk_group, top_k, payload=pay)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(vals), np.asarray(jnp.take_along_axis(pay, want, axis=1)))
 
 
 def test_route_rejects_an_unknown_selection():

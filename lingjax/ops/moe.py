@@ -18,6 +18,8 @@ Expert weights are passed as Param-likes (`w[...]` gives the array) so that bloc
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -116,47 +118,53 @@ def _beats(av, ai, bv, bi):
     return (av > bv) | ((av == bv) & ((bn & ~an) | ((an == bn) & (ai < bi))))
 
 
-def _merge_top_lists(a, b):
+def _merge_top_lists(a, b, fields: int = 2):
     """Two descending lists of K (value, id) pairs (K a power of two; a = (values..., ids...), 2K
-    scalars or arrays) -> the K best of their union, descending: the bitonic merge (pairwise best
-    of a[r] and b[K-1-r], then log2 K compare-exchange stages). Exact under `_beats`' strict order
-    (ids distinct), so associative and commutative: a reduction combiner."""
-    k = len(a) // 2
-    v = [None] * k
-    i = [None] * k
+    scalars or arrays; fields=3: (values..., ids..., payloads...), 3K, each payload riding with its
+    pair) -> the K best of their union, descending: the bitonic merge (pairwise best of a[r] and
+    b[K-1-r], then log2 K compare-exchange stages). Exact under `_beats`' strict order (ids
+    distinct), so associative and commutative: a reduction combiner."""
+    k = len(a) // fields
+    out = [[None] * k for _ in range(fields)]             # out[f][r]: field f of entry r
     for r in range(k):
         keep_a = _beats(a[r], a[k + r], b[k - 1 - r], b[2 * k - 1 - r])
-        v[r] = jnp.where(keep_a, a[r], b[k - 1 - r])
-        i[r] = jnp.where(keep_a, a[k + r], b[2 * k - 1 - r])
+        for f in range(fields):
+            out[f][r] = jnp.where(keep_a, a[f * k + r], b[f * k + k - 1 - r])
     stride = k // 2
     while stride:
         for r in range(k):
             if r & stride:
                 continue
-            first = _beats(v[r], i[r], v[r + stride], i[r + stride])
-            v[r], v[r + stride] = jnp.where(first, v[r], v[r + stride]), jnp.where(first, v[r + stride], v[r])
-            i[r], i[r + stride] = jnp.where(first, i[r], i[r + stride]), jnp.where(first, i[r + stride], i[r])
+            first = _beats(out[0][r], out[1][r], out[0][r + stride], out[1][r + stride])
+            for f in range(fields):
+                x, y = out[f][r], out[f][r + stride]
+                out[f][r], out[f][r + stride] = jnp.where(first, x, y), jnp.where(first, y, x)
         stride //= 2
-    return (*v, *i)
+    return tuple(x for field in out for x in field)
 
 
-def _top_lists(values, ids, k2: int, axis: int):
+def _top_lists(values, ids, k2: int, axis: int, payload=None):
     """The top k2 (k2 a power of two) of `values` along `axis`, ties by `_beats`, as one XLA
     reduction whose combiner merges sorted lists: (values [.., k2], ids [.., k2]) descending, with
-    the axis removed and a trailing k2 axis. An axis shorter than k2 leaves its lists ending in
-    (-inf, the int dtype's max) padding, below every real entry."""
-    pad_v = jnp.full(values.shape, -jnp.inf, values.dtype)
-    pad_i = jnp.full(ids.shape, jnp.iinfo(ids.dtype).max, ids.dtype)
-    operands = (values, *[pad_v] * (k2 - 1), ids, *[pad_i] * (k2 - 1))
-    inits = (*[jnp.array(-jnp.inf, values.dtype)] * k2, *[jnp.array(jnp.iinfo(ids.dtype).max, ids.dtype)] * k2)
-    out = jax.lax.reduce(operands, inits, _merge_top_lists, (axis,))
-    return jnp.stack(out[:k2], -1), jnp.stack(out[k2:], -1)
+    the axis removed and a trailing k2 axis; with `payload` (values' shape) a third list, each
+    entry's payload. An axis shorter than k2 leaves its lists ending in (-inf, the int dtype's max,
+    0) padding, below every real entry."""
+    fields = [(values, -jnp.inf), (ids, jnp.iinfo(ids.dtype).max)] + ([] if payload is None else [(payload, 0)])
+    operands, inits = [], []
+    for x, pad in fields:
+        operands += [x] + [jnp.full(x.shape, pad, x.dtype)] * (k2 - 1)
+        inits += [jnp.array(pad, x.dtype)] * k2
+    out = jax.lax.reduce(tuple(operands), tuple(inits), functools.partial(_merge_top_lists, fields=len(fields)),
+                         (axis,))
+    return tuple(jnp.stack(out[f * k2:(f + 1) * k2], -1) for f in range(len(fields)))
 
 
-def grouped_top_k_by_merge(biased, n_group: int, topk_group: int, top_k: int):
+def grouped_top_k_by_merge(biased, n_group: int, topk_group: int, top_k: int, payload=None):
     """The group-limited selection of `route` in three reductions (no sorts, no n^2 comparisons
     over the experts): idx [N, top_k] int32, the same experts in the same order as the other
-    selections.
+    selections; with `payload` [N, E] also (idx, payload at idx [N, top_k]), carried through the
+    reductions with the chosen entries (`route` gets the chosen experts' scores this way, with no
+    gather after the selection).
 
     biased [N, E] -> (1) each group's top K2 = next power of two >= max(min(top_k, E/G), 2) as a
     list-merging reduction over the group's experts (its top 2 summed: the group score); (2) the
@@ -171,23 +179,27 @@ def grouped_top_k_by_merge(biased, n_group: int, topk_group: int, top_k: int):
     k2 = 1 << (max(min(top_k, per), 2) - 1).bit_length()
     k_out = 1 << (top_k - 1).bit_length()
     ids = jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32), (n, e))
-    gv, gi = _top_lists(biased.reshape(n, n_group, per), ids.reshape(n, n_group, per), k2, 2)   # [N, G, K2]
+    grouped = lambda a: a.reshape(n, n_group, per)      # noqa: E731
+    lists = _top_lists(grouped(biased), grouped(ids), k2, 2, None if payload is None else grouped(payload))
+    gv, gi = lists[:2]                                                      # [N, G, K2]
     group_score = gv[..., 0] + gv[..., 1]                                   # = top 2 per group, summed
     gs_i, gs_j = group_score[..., :, None], group_score[..., None, :]
     g = jnp.arange(n_group)
     g_beats = _beats(gs_j, g[None, :], gs_i, g[:, None])                     # [N, G, G]: group j beats i
     keep = g_beats.sum(-1) < topk_group                                      # [N, G]
     gv = jnp.where(keep[..., None], gv, -jnp.inf)
+    pads = (-jnp.inf, jnp.iinfo(jnp.int32).max, 0)
+    lists = [gv, *lists[1:]]
     if k2 < k_out:              # groups narrower than top_k: pad each list to the output length
-        gv = jnp.pad(gv, ((0, 0), (0, 0), (0, k_out - k2)), constant_values=-jnp.inf)
-        gi = jnp.pad(gi, ((0, 0), (0, 0), (0, k_out - k2)), constant_values=jnp.iinfo(jnp.int32).max)
+        lists = [jnp.pad(a, ((0, 0), (0, 0), (0, k_out - k2)), constant_values=pad) for a, pad in zip(lists, pads)]
     elif k2 > k_out:
-        gv, gi = gv[..., :k_out], gi[..., :k_out]
-    lists = [gv[..., r] for r in range(k_out)] + [gi[..., r] for r in range(k_out)]
-    out = jax.lax.reduce(tuple(lists), (*[jnp.array(-jnp.inf, gv.dtype)] * k_out,
-                                        *[jnp.array(jnp.iinfo(jnp.int32).max, jnp.int32)] * k_out),
-                         _merge_top_lists, (1,))
-    return jnp.stack(out[k_out:k_out + top_k], -1)
+        lists = [a[..., :k_out] for a in lists]
+    operands = [a[..., r] for a in lists for r in range(k_out)]
+    inits = [jnp.array(pad, a.dtype) for a, pad in zip(lists, pads) for _ in range(k_out)]
+    out = jax.lax.reduce(tuple(operands), tuple(inits),
+                         functools.partial(_merge_top_lists, fields=len(lists)), (1,))
+    idx = jnp.stack(out[k_out:k_out + top_k], -1)
+    return idx if payload is None else (idx, jnp.stack(out[2 * k_out:2 * k_out + top_k], -1))
 
 
 def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int,
@@ -220,8 +232,8 @@ def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int
     n, e = biased.shape
     if selection == "grouped-rank":
         idx = grouped_top_k_by_rank(biased, n_group, topk_group, top_k)
-    elif selection == "grouped-merge":
-        idx = grouped_top_k_by_merge(biased, n_group, topk_group, top_k)
+    elif selection == "grouped-merge":     # the chosen scores come out of its reductions with the ids
+        idx, w = grouped_top_k_by_merge(biased, n_group, topk_group, top_k, payload=s)
     else:
         top = top_k_by_rank if selection == "rank" else jax.lax.top_k          # same result
         grouped = biased.reshape(n, n_group, e // n_group)
@@ -231,7 +243,8 @@ def route(x, w_router, expert_bias, *, n_group: int, topk_group: int, top_k: int
         expert_mask = jnp.repeat(group_mask, e // n_group, axis=1)
         masked = jnp.where(expert_mask, biased, -jnp.inf)
         _, idx = top(masked, top_k)
-    w = jnp.take_along_axis(s, idx, axis=1)
+    if selection != "grouped-merge":
+        w = jnp.take_along_axis(s, idx, axis=1)
     if expert_keep is not None:
         idx, w = keep_top_share(idx, w, expert_keep)
     if norm_topk_prob:
