@@ -139,14 +139,19 @@ _WG = plgpu.Layout.WGMMA
 def dedupe_experts(idx, w, n_experts: int):
     """idx [M, k] int32, w [M, k] -> (uniq [U] int32, -1 padded; wu [U, M] float32).
 
-    U = min(M*k, n_experts) (static). wu[u, m] = sum of token m's combine weights for uniq[u].
+    U = min(M*k, n_experts) (static). wu[u, m] = sum of token m's combine weights for uniq[u]
+    where uniq[u] >= 0; rows of padding slots (uniq[u] = -1) are not used (kernel 2 writes zeros
+    for those slots, so any finite weight there combines to 0; on the M*k <= E path they hold
+    the repeated expert's weights, on the others zeros).
     A (token, slot) whose combine weight is exactly 0 (``expert_keep`` in lingjax/approx.py drops
     slots that way) does not count: an expert chosen only with weight 0 is not in uniq, so the
     kernels never read it (its contribution, 0 * y, is dropped; y is not computed).
     M*k <= n_experts (every verify block of Ling-3.0-flash): slot u is the u-th (token, slot) pair
     in token-major order, kept where its expert was not chosen by an earlier pair (-1 where it was,
-    or where its weight is 0): one [M*k, M*k] comparison, a fusion or two, no sort, cumsum or
-    scatter (session 16; those were ~8 us of XLA kernels per MoE layer call). One token (M = 1,
+    or where its weight is 0): one [M*k, M*k] comparison and one reduction over the pairs giving
+    both the weights and the count of earlier pairs per slot, then a select for uniq; no sort,
+    cumsum or scatter (session 16; those were ~8 us of XLA kernels per MoE layer call; session 25:
+    one reduction instead of two plus a select, deviceless H200 compile). One token (M = 1,
     every plain decode step) is the same rule without comparisons: the router's k slots of one
     token name distinct experts (a caller's duplicate slot would be read twice and still combine
     exactly). Otherwise (more slots than experts: small test models) uniq is the sorted distinct
@@ -162,14 +167,16 @@ def dedupe_experts(idx, w, n_experts: int):
         ids = jnp.where(w.reshape(-1) != 0, idx.reshape(-1).astype(jnp.int32), -1)     # [M*k]
         pair = jnp.arange(M * k)
         same = (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)                     # [u, j]
-        first = (ids >= 0) & ~jnp.any(same & (pair[None, :] < pair[:, None]), axis=1)
-        uniq = jnp.where(first, ids, -1)
         tok = pair // k                                                                 # token of pair j
-        # token m chose expert ids[u] in at most one slot: one nonzero term per (u, m), exact (a
-        # select and sum, not a dot, which a GPU may run in TF32)
-        hit = (same & first[:, None])[:, :, None] & (tok[:, None] == jnp.arange(M)[None, :])[None]  # [u, j, m]
-        wu = jnp.sum(jnp.where(hit, w.reshape(1, -1, 1).astype(_F32), 0.0), axis=1)
-        return uniq, wu
+        # one sum over the pairs j: columns :M token m's weight for expert ids[u] (token m chose it
+        # in at most one slot: one nonzero term per (u, m), exact; a select and sum, not a dot,
+        # which a GPU may run in TF32), column M the count of earlier pairs with the same expert
+        hit = same[:, :, None] & (tok[:, None] == jnp.arange(M)[None, :])[None]          # [u, j, m]
+        terms = jnp.concatenate([jnp.where(hit, w.reshape(1, -1, 1).astype(_F32), 0.0),
+                                 jnp.where(same & (pair[None, :] < pair[:, None]), 1.0, 0.0)[:, :, None]], axis=2)
+        sums = jnp.sum(terms, axis=1)                                                   # [u, M + 1]
+        first = (ids >= 0) & (sums[:, M] == 0)
+        return jnp.where(first, ids, -1), sums[:, :M]
     flat = jnp.where(w.reshape(-1) != 0, idx.reshape(-1).astype(jnp.int32), n_experts)  # 0: sentinel E
     s = jnp.sort(flat)                                               # sentinels sort last
     new = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]]) & (s < n_experts)

@@ -112,8 +112,8 @@ def test_dedupe_experts():
     uniq, wu = dedupe_experts(idx, w, 16)
     assert uniq.shape == (6,) and wu.shape == (6, 2)
     np.testing.assert_array_equal(np.asarray(uniq), [5, 2, 9, -1, 7, -1])
-    np.testing.assert_array_equal(np.asarray(wu), np.asarray([[0.1, 0.6], [0.2, 0.4], [0.3, 0], [0, 0], [0, 0.5],
-                                                              [0, 0]], F32))
+    kept = np.asarray(uniq) >= 0                  # padding slots' rows are not used (kernel 2 writes zeros)
+    np.testing.assert_array_equal(np.asarray(wu)[kept], np.asarray([[0.1, 0.6], [0.2, 0.4], [0.3, 0], [0, 0.5]], F32))
     uniq, wu = dedupe_experts(jnp.asarray([[3, 1]] * 5, jnp.int32), jnp.ones((5, 2), F32), 4)
     assert uniq.shape == (4,)                                    # M*k > E: bound min(M*k, E), sorted
     np.testing.assert_array_equal(np.asarray(uniq), [1, 3, -1, -1])
@@ -127,11 +127,10 @@ def test_dedupe_skips_zero_weight_slots():
     w = jnp.asarray([[0.1, 0.2, 0.0], [-0.0, 0.5, 0.6]], F32)
     uniq, wu = dedupe_experts(idx, w, 16)
     np.testing.assert_array_equal(np.asarray(uniq), [5, 2, -1, -1, 7, -1])
-    np.testing.assert_array_equal(np.asarray(wu), np.asarray([[0.1, 0.6], [0.2, 0], [0, 0], [0, 0], [0, 0.5],
-                                                              [0, 0]], F32))
+    kept = np.asarray(uniq) >= 0
+    np.testing.assert_array_equal(np.asarray(wu)[kept], np.asarray([[0.1, 0.6], [0.2, 0], [0, 0.5]], F32))
     uniq, wu = dedupe_experts(idx, jnp.zeros_like(w), 16)          # nothing to run at all
     np.testing.assert_array_equal(np.asarray(uniq), [-1] * 6)
-    assert not np.asarray(wu).any()
     uniq, wu = dedupe_experts(jnp.asarray([[3, 1]] * 5, jnp.int32),  # M*k > E, the sorted path
                               jnp.asarray([[0.0, 1.0]] * 5, F32), 4)
     np.testing.assert_array_equal(np.asarray(uniq), [1, -1, -1, -1])
@@ -152,7 +151,7 @@ def test_dedupe_experts_matches_a_dense_combine(M, k, E):
     assert len(set(used.tolist())) == len(used)                                  # each expert once
     assert set(used.tolist()) == set(np.flatnonzero(dense.any(0)).tolist())
     np.testing.assert_array_equal(wu[uniq >= 0], dense[:, used].T)
-    assert not wu[uniq < 0].any()
+    assert np.isfinite(wu).all()          # padding slots' rows: unused (times kernel 2's zeros), finite
 
 
 @pytest.mark.parametrize("shape,rows", [((3, 2, 20, 6), (1, 240)),     # Ling-3.0 gate/up: a free reshape
