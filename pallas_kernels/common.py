@@ -62,6 +62,8 @@ def f16_rows(x, rows: int, bound=None):
     ~2**-28 * bound stay exact; a value more than ~2x the bound would overflow f16 to inf (a loud
     failure, never a silently different result)."""
     M, K = x.shape
+    if bound is not None and jnp.ndim(bound) != 0:
+        raise ValueError(f"the bound must be one scalar for all of x (|x| <= bound), got shape {jnp.shape(bound)}")
     xf = x.astype(jnp.bfloat16).astype(jnp.float32)
     # the exponent from the max's bits: one reduction, no frexp (its zero / subnormal / non-finite
     # selects), and with the clip both powers of two are normal floats (pow2)

@@ -1,6 +1,7 @@
 """pallas_kernels.common helpers that run in plain XLA (any backend)."""
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pallas_kernels.common import E_MIN, X_TOP_EXP, f16_rows, pow2, row_exponent
 
@@ -66,3 +67,9 @@ def test_f16_rows_overflows_loudly_past_twice_the_bound():
     x = jnp.asarray([[1.0, 300.0]], jnp.bfloat16)
     xp, _ = f16_rows(x, 8, jnp.float32(100.0))
     assert np.isinf(np.asarray(xp[0, 1], np.float32)) and np.isfinite(np.asarray(xp[0, 0], np.float32))
+
+
+def test_f16_rows_refuses_a_bound_per_row():
+    """x_bound (skinny GEMM, MoE kernels) is one scalar: a per-row array is refused, not broadcast."""
+    with pytest.raises(ValueError, match="one scalar"):
+        f16_rows(jnp.ones((2, 8), jnp.bfloat16), 8, jnp.ones((2,), jnp.float32))
