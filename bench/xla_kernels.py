@@ -9,13 +9,14 @@ separate venv) but no GPU: XLA compiles deviceless for a GPU described by a targ
 abstractly (random-weight shapes, `nnx.eval_shape`: nothing is allocated but the norm weights,
 ones as there, and MLA's kv_b, so the kernels get input bounds as in the benchmark), with the
 --kernels switches on (Mosaic GPU kernels are emitted compiled, as
-`lingjax.model.kernels.pallas_cross_lowering` does), lowers `Decoder.prefill` and then `Decoder.run` (the generation loop), compiles the loop and
-counts the GPU kernels in its while-loop body: every fusion, custom call (Mosaic GPU kernels are
-`mosaic_gpu_v2`), copy and sort, per component (`bench.profile_breakdown.hlo_components`: kda, moe,
-mla, commit, draft, ...). The same count the H200's profiles show per step (checked: equal for every
-component of run 83's code, see H200_MEMORY_GIB), at ~1-1.5 us per small XLA kernel: a way to see on
-a CPU what an XLA-side change does to the launches of a step before a device call. It does not time
-anything and says nothing about a kernel's speed.
+`lingjax.model.kernels.pallas_cross_lowering` does), lowers `Decoder.prefill` and then
+`Decoder.run` (the generation loop), compiles the loop and counts the GPU kernels in its
+while-loop body: every fusion, custom call (Mosaic GPU kernels are `mosaic_gpu_v2`), copy and
+sort, per component (`bench.profile_breakdown.hlo_components`: kda, moe, mla, commit, draft, ...).
+The same count the H200's profiles show per step (checked: equal for every component of run 83's
+code, see H200_MEMORY_GIB), at ~1-1.5 us per small XLA kernel: a way to see on a CPU what an
+XLA-side change does to the launches of a step before a device call. It does not time anything and
+says nothing about a kernel's speed.
 
 Counts are per execution of the body's computations: kernels inside a nested loop (the draft's
 per-position scan) are listed with the loop's trip count unknown ('in a nested loop').
