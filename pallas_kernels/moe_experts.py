@@ -18,8 +18,8 @@ Design
 * XLA prologue (tiny): the M*k ids of the slots with a nonzero combine weight are deduplicated
   into ``uniq [U]`` with the static bound U = min(M*k, E) (each expert at its first (token, slot)
   pair, -1 at repeats and zero-weight slots; sorted and compacted only when M*k > E:
-  `dedupe_experts`), the combine weights become ``wu [U, M]`` (0 for
-  padding), x is zero-padded to ``xp [16, D]`` bf16. fp8 block scales are not gathered: each
+  `dedupe_experts`), the combine weights become ``wu [U, M]`` (rows of padding slots unused:
+  kernel 2 writes zeros for those slots), x is zero-padded to ``xp [16, D]`` bf16. fp8 block scales are not gathered: each
   program copies its expert's whole scale block (``scale_rows``: the stored [.., IN, OUT] blocks
   flattened, a free reshape for Ling-3.0) to SMEM with one TMA and indexes it there (session 10;
   before, a gather, transpose, pad and concatenation per call: XLA kernels of ~1.5 us each).

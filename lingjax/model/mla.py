@@ -31,7 +31,6 @@ from lingjax.config import LingConfig
 from lingjax.model import dense as dense_proj
 from lingjax.model import kernels
 from lingjax.model.common import RMSNorm, acc_dtype, apply_rope, head_gate, param, rms_norm_bound, rope_cos_sin
-from lingjax.quant import Fp8Weight
 from pallas_kernels import mla_decode
 
 # Query blocks shorter than this use the absorbed form.
@@ -226,13 +225,12 @@ def mla_output_bound(latent_norm_weight, kv_b, nope: int) -> float | None:
     softmax-weighted mean of cached latents (absorbed, Pallas or expanded alike), each at most
     `rms_norm_bound`(latent norm weight) in size, so |o| <= that bound * max over (h, v) of
     sum_l |W_uv[l, h, v]|. The latent bound's factor 2 covers the roundings (bf16 / fp8 cache,
-    bf16 probabilities summing to just over 1, the float32 products). None for abstract weights."""
+    bf16 probabilities summing to just over 1, the float32 products). None for abstract weights.
+    kv_b: a parameter or an array (models hold it dequantised: param_layout.LING_DEQUANTISED_AT_LOAD)."""
     lat = rms_norm_bound(latent_norm_weight)
-    held = kv_b.values if isinstance(kv_b, Fp8Weight) else kv_b        # a parameter or an array
-    raw = held.get_value() if isinstance(held, nnx.Variable) else held
-    if lat is None or isinstance(raw, (jax.ShapeDtypeStruct, jax.core.Tracer)):
+    w = kv_b.get_value() if isinstance(kv_b, nnx.Variable) else kv_b
+    if lat is None or isinstance(w, (jax.ShapeDtypeStruct, jax.core.Tracer)):
         return None
-    w = kv_b[...] if isinstance(kv_b, (Fp8Weight, nnx.Variable)) else kv_b
     w_uv = np.abs(np.asarray(w, np.float32)[..., nope:])
     return float(lat * w_uv.sum(axis=0).max()) if w_uv.size else 0.0
 
