@@ -221,13 +221,10 @@ def main(argv=None) -> dict:
         return quantize_model(m) if a.dtype == "fp8" else m
 
     target = nnx.eval_shape(build_target)
-    for _, m in nnx.iter_modules(target):      # norm weights concrete ones, as the random-weight benchmark
-        for _, name in getattr(type(m), "NORM_BOUNDS", ()):     # has them: the recorded input bounds
-            v = getattr(m, name)
-            v.set_value(jnp.ones(v.get_value().shape, v.get_value().dtype))
-        for name in getattr(type(m), "BOUND_WEIGHTS", ()):      # other weights a recorded bound reads (MLA's
-            v = getattr(m, name)                                # kv_b): concrete too; only that a bound exists
-            v.set_value(jnp.full(v.get_value().shape, 0.02, v.get_value().dtype))   # matters to the count
+    for _, m in nnx.iter_modules(target):      # the weights the recorded input bounds read (norms, MLA's
+        for name in getattr(type(m), "BOUND_WEIGHTS", ()):      # kv_b) concrete, as the random-weight
+            v = getattr(m, name)                                # benchmark has them: only that a bound
+            v.set_value(jnp.ones(v.get_value().shape, v.get_value().dtype))     # exists matters to the count
     if a.kernels == "pallas":
         set_moe_kernel(target, "pallas")
         set_dense_kernel(target, "pallas")

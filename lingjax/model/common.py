@@ -50,13 +50,18 @@ class Linear(nnx.Module):
 class RMSNorm(nnx.Module):
     """Normalise in fp32 over the last dim, cast back to the input dtype, multiply by the weight.
     ``bound``: a static bound on every output's size (`rms_norm_bound` of the weight), recorded by
-    `record_input_bounds`; None until then. Layers pass it to the fp8 kernels as ``x_bound``."""
-    NORM_BOUNDS = (("bound", "weight"),)       # record_input_bounds: attribute <- norm weight
+    `record_bounds` (`record_input_bounds`); None until then. Layers pass it to the fp8 kernels as
+    ``x_bound``."""
+    BOUND_WEIGHTS = ("weight",)     # what record_bounds reads (bench/xla_kernels.py makes them concrete)
 
     def __init__(self, dim: int, eps: float, *, dtype, logical=("embed",)):
         self.eps = eps
         self.weight = param(None, (dim,), logical, dtype, init="ones")
         self.bound = None
+
+    def record_bounds(self):
+        """Record ``bound`` from the weight as it is now (None for an abstract weight)."""
+        self.bound = rms_norm_bound(self.weight.get_value())
 
     def __call__(self, x):
         return rms_norm(x, self.weight[...], self.eps)
@@ -81,18 +86,16 @@ def rms_norm_bound(weight) -> float | None:
 
 
 def record_input_bounds(model: nnx.Module) -> nnx.Module:
-    """Record on every module of `model` with NORM_BOUNDS (RMSNorm: ``bound``; KDA: ``o_bound`` of its
-    output norm) the `rms_norm_bound` of that norm weight as it is now, in place, and run every
-    module's ``record_bounds()`` (GatedMLA: its output projection's input bound). The layers pass
-    these static bounds to the fp8 skinny GEMM and MoE kernels as ``x_bound``, which spares each
+    """Run every module's ``record_bounds()``, in place: each records the static bounds it derives from
+    its weights as they are now (RMSNorm: ``bound``; KDA: ``o_bound`` of its output norm; GatedMLA:
+    ``o_bound`` of its output projection's input) and lists the weights it reads in its class's
+    ``BOUND_WEIGHTS``. The layers pass these static bounds to the fp8 skinny GEMM and MoE kernels as ``x_bound``, which spares each
     call a reduction over its input (pallas_kernels.common.f16_rows). Called by set_dense_kernel and
     set_moe_kernel (after loading or quantising); call it again after changing a norm weight: a
     stale bound more than 2x too small makes the kernels' f16 inputs overflow to inf (loudly).
     Returns `model`."""
     for _, m in nnx.iter_modules(model):
-        for attr, name in getattr(type(m), "NORM_BOUNDS", ()):
-            setattr(m, attr, rms_norm_bound(getattr(m, name).get_value()))
-        if hasattr(m, "record_bounds"):      # bounds derived from more than one norm (GatedMLA's o_bound)
+        if hasattr(m, "record_bounds"):
             m.record_bounds()
     return model
 

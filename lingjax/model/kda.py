@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from lingjax.cache import KDAState
 from lingjax.config import LingConfig
 from lingjax.model import dense, kernels
-from lingjax.model.common import acc_dtype, head_gate, param, rms_norm
+from lingjax.model.common import acc_dtype, head_gate, param, rms_norm, rms_norm_bound
 from lingjax.ops import kda as kda_ops
 from pallas_kernels import kda_prefill, kda_step_fused
 
@@ -166,7 +166,7 @@ def _pallas(fn, *args, head_axes, out_head_axes, **settings):
 
 class KDA(nnx.Module):
     DENSE_WEIGHTS = (("w_in", -1), ("w_out", -2))  # dense_kernel projections, K-minor (lingjax/model/dense.py)
-    NORM_BOUNDS = (("o_bound", "o_norm"),)          # o_proj's input bound (lingjax.model.common.record_input_bounds)
+    BOUND_WEIGHTS = ("o_norm",)                     # what record_bounds reads (bench/xla_kernels.py)
 
     def __init__(self, cfg: LingConfig, *, dtype, rngs, kda_kernel: str = "xla"):
         d, h, k, ks = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.short_conv_kernel_size
@@ -182,6 +182,11 @@ class KDA(nnx.Module):
         self.o_norm = param(None, (k,), (None,), dtype, init="ones")
         self.w_out = param(rngs, (d, h, k), ("embed", "heads", "head_dim"), dtype, std=(h * k) ** -0.5)
         self.o_bound = None     # static bound on o_proj's input (the gated norm), recorded from o_norm
+
+    def record_bounds(self):
+        """Record ``o_bound``, the `rms_norm_bound` of o_norm as it is now (None for an abstract
+        weight): the fp8 output projection's x_bound (lingjax.model.common.record_input_bounds)."""
+        self.o_bound = rms_norm_bound(self.o_norm.get_value())
 
     def __call__(self, x, cache: KDAState, *, pending: bool = False, valid_len=None, x_bound=None):
         """x [B, T, D] -> (y [B, T, D], new KDAState) or, with pending=True (speculative verify),

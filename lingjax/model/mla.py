@@ -67,7 +67,7 @@ def set_mla_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
 class GatedMLA(nnx.Module):
     # dense_kernel projections (lingjax/model/dense.py); kv_b (absorbed einsums / prefill expansion) stays on XLA
     DENSE_WEIGHTS = (("q_a", 1), ("q_b", 1), ("q_proj", 1), ("kv_a", 1), ("dense", 2))
-    BOUND_WEIGHTS = ("kv_b",)       # record_bounds reads it (and the latent norm): bench/xla_kernels.py
+    BOUND_WEIGHTS = ("kv_b",)       # what record_bounds reads besides kv_a_norm's own (bench/xla_kernels.py)
 
     def __init__(self, cfg: LingConfig, *, dtype, rngs):
         d, h = cfg.hidden_size, cfg.num_attention_heads
