@@ -55,7 +55,7 @@ Design
   rest x 2**4; exact for values within 13-14 octaves of the row max or bound, the rest off by
   at most 2**-21 of it), two fp8 x fp8 WGMMAs per tile (N = m_pad each), then ``carry += (hi +
   lo * 2**-4) * scale``. Aims at the bf16 path's bandwidth with half the bytes.
-* ``k_minor=True`` (session 8; CPU-checked, not yet run on a GPU): w as [N, K] (torch's Linear
+* ``k_minor=True`` (session 8; on the H200 since run 31): w as [N, K] (torch's Linear
   layout). Each [bn, 128] tile is then a WGMMA A operand as it lies: bf16 straight from the TMA
   buffer, fp8 loaded 4 bytes per thread, converted to f16 and relaid in registers
   (``common.a_regs``) and multiplied from there: no f16 SMEM tile (interpret mode, which cannot
