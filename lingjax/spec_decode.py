@@ -71,7 +71,11 @@ class DraftOverride(NamedTuple):
     """Benchmark/test hook: replace the drafter's proposals by oracle tokens while every real
     draft/verify/commit op still runs. The drafts of a step anchored at position P are
     oracle[P+1 .. P+B]; with `pattern` (accepted count per step, cycled; -1 = no corruption)
-    draft number pattern[i]+1 is made wrong so exactly pattern[i] are accepted (greedy)."""
+    draft number pattern[i]+1 is made wrong so exactly pattern[i] are accepted (greedy). An
+    oracle entry < 0 takes the drafter's own proposal there (not with force=True). That choice,
+    made per step on the traced oracle, is also what keeps the draft pass in the compiled step:
+    before session 26 nothing read the drafter's tokens, and XLA removed the whole draft forward,
+    its lm_head pass and Markov chain from every forced-acceptance benchmark."""
     oracle: jax.Array    # [L] int32, absolute positions (prompt followed by the target's greedy output)
     pattern: jax.Array   # [S] int32
     force: jax.Array | bool = False  # True: accept min(pattern, n) drafts and commit oracle tokens
@@ -395,8 +399,11 @@ def _init_cache(target: LingModel, max_len: int) -> LingCache:
 
 
 def _apply_override(o: DraftOverride, pos, step, drafts, vocab: int):
+    """The step's drafts [B] under the override: oracle tokens (one made wrong per `pattern`), the
+    drafter's own where the oracle entry is < 0 (which keeps the draft pass live: DraftOverride)."""
     b = drafts.shape[0]
     oracle = jax.lax.dynamic_slice_in_dim(o.oracle, pos + 1, b)
     k = o.pattern[step % o.pattern.shape[0]]
     wrong = (oracle + 1) % vocab
-    return jnp.where((jnp.arange(b) == k) & (k >= 0), wrong, oracle).astype(jnp.int32)
+    forced = jnp.where((jnp.arange(b) == k) & (k >= 0), wrong, oracle)
+    return jnp.where(oracle < 0, drafts, forced).astype(jnp.int32)

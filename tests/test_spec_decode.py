@@ -25,6 +25,7 @@ Decoders are cached in a module-level dict.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -247,6 +248,38 @@ def test_statistics_follow_the_pattern():
     # draft j (1-based) accepted in the steps accepting >= j drafts
     np.testing.assert_array_equal(st_.pos_accepted, [4, 3, 2, 1, 1, 1, 1, 1])
     assert int(st_.finish) == FINISH_LENGTH
+
+
+def test_negative_oracle_entries_take_the_drafters_tokens():
+    """An oracle of -1 everywhere hands every step the drafter's own proposals: the same run, tokens
+    and statistics, as without an override."""
+    case = small()
+    dec = case.decoder("dspark", 8)
+    real = generate(dec, case.prompt(15))
+    ov = DraftOverride(jnp.full(ORACLE_LEN, -1, jnp.int32), jnp.asarray(ALL, jnp.int32))
+    via = generate(dec, case.prompt(15), override=ov)
+    assert_same(tokens(via), tokens(real), "oracle of -1")
+    for name in ("steps", "accepted", "drafted"):
+        assert int(getattr(via, name)) == int(getattr(real, name)), name
+
+
+def test_forced_acceptance_compiles_the_draft_pass():
+    """The benchmarks' forced acceptance (DraftOverride, force=True) still runs the drafter's whole
+    pass: XLA's optimised loop has as many dots in the draft's scope as the loop without an
+    override. Before session 26 nothing read the drafter's tokens under an override and XLA
+    removed its forward, lm_head pass and Markov chain (3 dots left here instead of 12)."""
+    case = small()
+    dec = case.decoder("dspark", 8)
+    state = dec.prefill(dec.params, jnp.asarray(case.prompt(15))[None], MAX_NEW, jnp.int32(MAX_NEW),
+                        jax.random.key(0), GREEDY, jnp.ones(1, jnp.float32))
+
+    def draft_dots(override):
+        text = dec.run.lower(dec.params, state, GREEDY, override, jnp.int32(100)).compile().as_text()
+        return sum(1 for line in text.splitlines() if "/draft/" in line and re.search(r"\bdot\(", line))
+
+    forced = DraftOverride(jnp.asarray(case.oracle), jnp.asarray(ALL, jnp.int32), jnp.asarray(True))
+    real = draft_dots(None)
+    assert real >= 10 and draft_dots(forced) == real
 
 
 def test_max_tokens_cut_inside_a_block():
