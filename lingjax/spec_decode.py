@@ -22,6 +22,7 @@ from flax import nnx
 
 from lingjax import sampling, sharding
 from lingjax.cache import LingCache, init_cache
+from lingjax.model import dense
 from lingjax.model.kernels import kernel_mesh
 from lingjax.model.ling import LingModel, commit
 
@@ -130,6 +131,9 @@ class Decoder:
             dc.check_fits_target(self.target.cfg.hidden_size, self.target.cfg.num_hidden_layers,
                                  self.target.cfg.vocab_size)
             self.tap_layers = tuple(dc.target_layer_ids)
+            # the draft's projections follow the target's dense_kernel switch (the skinny GEMM
+            # for its <= 16-row calls; a weight the kernel cannot take stays on XLA, as in the target)
+            dense.set_dense_kernel(self.draft, getattr(self.target, "dense_kernel", "xla"), require_any=False)
         if self.spec.method == "mtp" and self.target.mtp is None:
             raise ValueError("--spec mtp needs the target's MTP layer (num_nextn_predict_layers >= 1 and its weights)")
         self.graph, self.params = nnx.split((self.target, self.draft))
@@ -278,12 +282,13 @@ class Decoder:
     def _draft(self, target, draft, s: DecodeState, key, samp):
         """Proposals d_1..d_B [B], their distributions q [B, V] (None = one-hot) and confidences."""
         b = self.spec.block_size
-        lm_head_t = target.lm_head[...].T
         p = s.cache.pos
         if self.spec.method == "dspark":
             cfg = draft.cfg
             ids = jnp.concatenate([s.anchor[None], jnp.full((b - 1,), cfg.mask_token_id, jnp.int32)])[None]
             hidden = draft.forward_block(s.draft_cache, target.embed_tokens(ids), p)
+            # the base logits: the target's own lm_head product, on the skinny GEMM when its lm_head is
+            lm_head_t = target.logits if dense.uses_kernel(target, "lm_head", b) else target.lm_head[...].T
             if self.greedy:
                 prop = draft.propose_greedy(hidden, s.anchor[None], lm_head_t)
                 q = None

@@ -31,14 +31,17 @@ from bench import kernel_module_size
 from conftest import LING_TINY
 from helpers import kernel_calls, kernel_forward, kernel_mode, random_model, rel, tiny_config
 from lingjax.config import preset
+from lingjax.dspark_config import DSparkConfig
 from lingjax.generate import build_parser
 from lingjax.loader import LoadError, load_engine
 from lingjax.model import dense
 from lingjax.model.dense import dense_kernel_plan, set_dense_kernel
+from lingjax.model.dspark import DSparkDraft
 from lingjax.model.kernels import pallas_cross_lowering
 from lingjax.model.ling import LingModel
 from lingjax.param_layout import Matrix
 from lingjax.quant import Fp8Weight, quantize, quantize_model
+from lingjax.spec_decode import Decoder, SpecConfig
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 CFG = tiny_config(num_hidden_layers=4, vocab_size=256, qk_nope_head_dim=48, v_head_dim=64,
@@ -139,6 +142,53 @@ def test_fp8_k_minor_e4m3_schedule_logits_match(monkeypatch):
     assert np.isfinite(dec).all() and np.isfinite(ver).all()
     assert rel(dec, x["decode"]) <= TOL and rel(ver, x["verify"]) <= TOL
     assert 0 < rel(dec, p["decode"]) <= 1e-3 and 0 < rel(ver, p["verify"]) <= 1e-3     # another product, close
+
+
+def _draft(seed: int = 5):
+    """A 1-layer DSpark draft fitting CFG, float32 with its Linear / HeadsOut weights in bfloat16
+    (what the kernel streams; markov rank 128 so markov_w2 fits the kernel too)."""
+    dc = DSparkConfig.from_dict(dict(
+        hidden_size=CFG.hidden_size, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=64, intermediate_size=256, vocab_size=CFG.vocab_size, block_size=8,
+        mask_token_id=CFG.vocab_size - 1, target_layer_ids=[0, 3], markov_rank=128,
+        enable_confidence_head=True, confidence_head_with_markov=True))
+    draft = DSparkDraft(dc, dtype=F32, rngs=nnx.Rngs(seed))
+    for m, name in _dense_weights(draft):
+        w = getattr(m, name)
+        w.set_value(w.get_value().astype(BF16))
+    return draft
+
+
+def test_dspark_draft_follows_the_target_switch():
+    """The Decoder gives a DSpark draft its target's dense_kernel: every draft projection but the
+    1-wide confidence head runs on the skinny GEMM, and the draft's base logits are the target's
+    lm_head on the kernel. Its proposals (context append, block pass, Markov chain) match the XLA
+    draft's: the same tokens, corrected logits within TOL."""
+    xla_t, pal_t = models("bf16_weights")
+    draft = _draft()
+    Decoder(xla_t, SpecConfig("dspark", 8), draft=draft)
+    assert all(v == "dense_kernel='xla'" for v in dense_kernel_plan(draft).values())
+    pal_d = nnx.clone(draft)
+    Decoder(pal_t, SpecConfig("dspark", 8), draft=pal_d)
+    plan = dense_kernel_plan(pal_d)
+    assert {k for k, v in plan.items() if v is not None} == {"conf_proj.weight"}, plan
+    assert len(plan) == 10          # fc, q/k/v, o, gate/up/down, markov_w2, conf_proj
+    rng = np.random.default_rng(0)
+    taps = jnp.asarray(rng.normal(size=(1, 9, draft.cfg.tap_dim)), F32)
+    embeds = jnp.asarray(rng.normal(size=(1, 8, CFG.hidden_size)), F32)
+
+    def propose(d, t, head):
+        cache = d.append_context(d.init_cache(1, 32), taps, 0)
+        hidden = d.forward_block(cache, embeds, 9)
+        return d.propose_greedy(hidden, jnp.asarray([3], jnp.int32), head(t))
+
+    ref = jax.jit(lambda: propose(draft, xla_t, lambda t: t.lm_head[...].T))()
+    with kernel_mode():
+        out = jax.jit(lambda: propose(pal_d, pal_t, lambda t: t.logits))()
+    # fc, k, v (context); q, k, v, o, gate, up, down (block); lm_head; markov_w2 (the chain's scan)
+    assert kernel_calls(lambda: propose(pal_d, pal_t, lambda t: t.logits), name="skinny_gemm_pallas") == 12
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    assert rel(np.asarray(out.corrected_logits), np.asarray(ref.corrected_logits)) <= TOL
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16_weights"])

@@ -34,19 +34,6 @@ def param(rngs: nnx.Rngs | None, shape, logical, dtype, init: str = "normal", st
     return nnx.Param(value, logical=tuple(logical))
 
 
-class Linear(nnx.Module):
-    """y = x @ W, W stored [in, *out] (no bias). `logical` names (in, *out) axes."""
-
-    def __init__(self, in_features: int, out_shape, logical, *, dtype, rngs, std: float | None = None):
-        out_shape = tuple(out_shape) if isinstance(out_shape, (tuple, list)) else (out_shape,)
-        std = std if std is not None else 1.0 / math.sqrt(in_features)
-        self.weight = param(rngs, (in_features, *out_shape), logical, dtype, std=std)
-
-    def __call__(self, x):
-        w = self.weight[...]
-        return jnp.tensordot(x.astype(w.dtype), w, axes=1)
-
-
 class RMSNorm(nnx.Module):
     """Normalise in fp32 over the last dim, cast back to the input dtype, multiply by the weight.
     ``bound``: a static bound on every output's size (`rms_norm_bound` of the weight), recorded by

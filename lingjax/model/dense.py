@@ -25,6 +25,9 @@ kernel takes with ``k_minor=True``: fp8 tiles as register WGMMA operands)):
                 ones runs inside the expert kernels instead: lingjax/model/mlp.py)
     LingModel   lm_head [D, V] (float32 logits; argmax / sampling stay in XLA)
     MTPLayer    eh_proj [2D, D]
+    DSpark      every Linear (fc, q / k / v, the MLP, markov_w2) and HeadsOut (o_proj) of the draft:
+                the Decoder gives the draft the target's switch; its base logits are the target's
+                lm_head product (lingjax/spec_decode.py)
 
 Which of them use the kernel is decided once, by :func:`set_dense_kernel` (also run by
 ``LingModel(dense_kernel=...)``), and recorded per layer in ``dense_kernel_weights``; a weight
@@ -194,13 +197,13 @@ def dense_kernel_plan(model: nnx.Module) -> dict[str, str | None]:
     return plan
 
 
-def set_dense_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
+def set_dense_kernel(model: nnx.Module, kernel: str, *, require_any: bool = True) -> nnx.Module:
     """Switch every layer of `model` with dense projections to `kernel`, in place, recording which
     weights use it (module docstring); call it before the model is split / jitted (the choice is
     static) and after any fp8 quantisation. For 'pallas', raises ValueError for a float64 model,
-    or when no projection can use the kernel (e.g. float32 weights: quantise the model or load it
-    in bfloat16). Also records the norms' output bounds the kernels take as x_bound
-    (lingjax.model.common.record_input_bounds). Returns `model`."""
+    or (``require_any``) when no projection can use the kernel (e.g. float32 weights: quantise the
+    model or load it in bfloat16). Also records the norms' output bounds the kernels take as
+    x_bound (lingjax.model.common.record_input_bounds). Returns `model`."""
     check_dense_kernel(kernel)
     on = 0
     for _, m in nnx.iter_modules(model):
@@ -220,7 +223,7 @@ def set_dense_kernel(model: nnx.Module, kernel: str) -> nnx.Module:
         m.dense_kernel = kernel
         m.dense_kernel_weights = tuple(chosen)
         on += len(chosen)
-    if kernel == "pallas" and on == 0:
+    if kernel == "pallas" and on == 0 and require_any:
         raise ValueError("dense_kernel='pallas' found no projection the kernel can stream (it needs bfloat16 "
                          "or block-fp8 weights with K % 128 == 0 and N % 64 == 0): quantise the model "
                          "(lingjax.quant.quantize_model), load it in bfloat16, or use dense_kernel='xla'")

@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 
 from lingjax.dspark_config import DSparkConfig, DSparkConfigError
-from lingjax.model.common import Linear, RMSNorm, acc_dtype, apply_rope, param, rope_cos_sin
+from lingjax.model import dense
+from lingjax.model.common import RMSNorm, acc_dtype, apply_rope, param, rope_cos_sin
 from lingjax.sampling import filter_logits
 
 
@@ -55,15 +56,37 @@ class DSparkProposal(NamedTuple):
     draft_probs: jax.Array | None = None  # [B, Bk, V] acc dtype (sampling only)
 
 
+class Linear(nnx.Module):
+    """y = x @ W, W stored [in, *out] (no bias). `logical` names (in, *out) axes. With
+    dense_kernel='pallas' (set by the Decoder from the target's switch: lingjax/model/dense.py)
+    calls of at most 16 rows run on the skinny GEMM."""
+    DENSE_WEIGHTS = (("weight", 1),)
+
+    def __init__(self, in_features: int, out_shape, logical, *, dtype, rngs, std: float | None = None):
+        out_shape = tuple(out_shape) if isinstance(out_shape, (tuple, list)) else (out_shape,)
+        std = std if std is not None else 1.0 / math.sqrt(in_features)
+        self.weight = param(rngs, (in_features, *out_shape), logical, dtype, std=std)
+
+    def __call__(self, x):
+        """x [..., in] -> [..., *out] in the weight's dtype."""
+        if dense.uses_kernel(self, "weight", math.prod(x.shape[:-1])):
+            return dense.dense_matmul(x.astype(self.weight.dtype), self.weight)
+        w = self.weight[...]
+        return jnp.tensordot(x.astype(w.dtype), w, axes=1)
+
+
 class HeadsOut(nnx.Module):
     """o_proj: [B, T, heads, head_dim] -> [B, T, hidden]; weight stored [heads, head_dim, hidden]
-    (the torch [hidden, heads*head_dim] weight transposed and split)."""
+    (the torch [hidden, heads*head_dim] weight transposed and split). Skinny GEMM as Linear."""
+    DENSE_WEIGHTS = (("weight", 2),)
 
     def __init__(self, heads: int, head_dim: int, out: int, *, dtype, rngs):
         self.weight = param(rngs, (heads, head_dim, out), ("heads", "head_dim", "embed"), dtype,
                             std=1.0 / math.sqrt(heads * head_dim))
 
     def __call__(self, x):
+        if dense.uses_kernel(self, "weight", math.prod(x.shape[:-2])):
+            return dense.dense_matmul(x.astype(self.weight.dtype), self.weight, k_axes=2)
         w = self.weight[...]
         return jnp.einsum("bqhd,hde->bqe", x.astype(w.dtype), w)
 
@@ -214,7 +237,11 @@ class DSparkDraft(nnx.Module):
 
     # ---- Markov chain + confidence -----------------------------------------------------------
     def base_logits(self, hidden, lm_head):
-        """hidden [B, Bk, hidden] @ lm_head[V, hidden]^T -> [B, Bk, V] in the acc dtype."""
+        """hidden [B, Bk, hidden] @ lm_head[V, hidden]^T -> [B, Bk, V] in the acc dtype. lm_head may
+        also be a function of hidden giving those logits (the Decoder passes the target's own
+        ``logits`` when its lm_head runs on the skinny GEMM: the same product)."""
+        if callable(lm_head):
+            return lm_head(hidden)
         acc = acc_dtype(hidden.dtype)
         return jnp.einsum("bqe,ve->bqv", hidden, lm_head.astype(hidden.dtype), preferred_element_type=acc)
 
@@ -224,6 +251,7 @@ class DSparkDraft(nnx.Module):
         base = self.base_logits(hidden, lm_head)                          # [B, Bk, V]
         w1 = self.markov_w1[...] if self.markov_w1 is not None else None
         w2 = self.markov_w2.weight[...] if self.markov_w2 is not None else None
+        w2_kernel = w2 is not None and dense.uses_kernel(self.markov_w2, "weight", hidden.shape[0])
         cw = self.conf_proj.weight[...] if self.conf_proj is not None else None
         cb = self.conf_bias[...] if self.conf_bias is not None else None
         with_markov_conf = self.cfg.confidence_head_with_markov and w1 is not None
@@ -232,7 +260,10 @@ class DSparkDraft(nnx.Module):
             u, h, j = xs                                                  # [B,V], [B,hid], ()
             if w1 is not None:
                 e = jnp.take(w1, prev, axis=0)                            # [B, r]
-                corr = u + jnp.dot(e, w2, preferred_element_type=acc).astype(acc)
+                if w2_kernel:           # the skinny GEMM (dense_kernel='pallas'), float32 products
+                    corr = u + dense.dense_matmul(e, self.markov_w2.weight, out_dtype=acc)
+                else:
+                    corr = u + jnp.dot(e, w2, preferred_element_type=acc).astype(acc)
             else:
                 e, corr = None, u
             tok, q = pick(corr, j)
