@@ -73,8 +73,9 @@ class DraftOverride(NamedTuple):
     draft/verify/commit op still runs. The drafts of a step anchored at position P are
     oracle[P+1 .. P+B]; with `pattern` (accepted count per step, cycled; -1 = no corruption)
     draft number pattern[i]+1 is made wrong so exactly pattern[i] are accepted (greedy). An
-    oracle entry < 0 takes the drafter's own proposal there (not with force=True). That choice,
-    made per step on the traced oracle, is also what keeps the draft pass in the compiled step:
+    oracle entry < 0 takes the drafter's own proposal there (force=True needs token ids
+    everywhere: it commits oracle tokens). That choice, made per step on the traced oracle, is
+    also what keeps the draft pass in the compiled step:
     before session 26 nothing read the drafter's tokens, and XLA removed the whole draft forward,
     its lm_head pass and Markov chain from every forced-acceptance benchmark."""
     oracle: jax.Array    # [L] int32, absolute positions (prompt followed by the target's greedy output)

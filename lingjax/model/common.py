@@ -73,11 +73,12 @@ def rms_norm_bound(weight) -> float | None:
 
 
 def record_input_bounds(model: nnx.Module) -> nnx.Module:
-    """Run every module's ``record_bounds()``, in place: each records the static bounds it derives from
-    its weights as they are now (RMSNorm: ``bound``; KDA: ``o_bound`` of its output norm; GatedMLA:
-    ``o_bound`` of its output projection's input) and lists the weights it reads in its class's
-    ``BOUND_WEIGHTS``. The layers pass these static bounds to the fp8 skinny GEMM and MoE kernels as ``x_bound``, which spares each
-    call a reduction over its input (pallas_kernels.common.f16_rows). Called by set_dense_kernel and
+    """Run every module's ``record_bounds()``, in place: each records the static bounds it derives
+    from its weights as they are now (RMSNorm: ``bound``; KDA: ``o_bound`` of its output norm;
+    GatedMLA: ``o_bound`` of its output projection's input) and lists the weights it reads in its
+    class's ``BOUND_WEIGHTS``. The layers pass these static bounds to the fp8 skinny GEMM and MoE
+    kernels as ``x_bound``, which spares each call a reduction over its input
+    (pallas_kernels.common.f16_rows). Called by set_dense_kernel and
     set_moe_kernel (after loading or quantising); call it again after changing a norm weight: a
     stale bound more than 2x too small makes the kernels' f16 inputs overflow to inf (loudly).
     Returns `model`."""
