@@ -526,6 +526,8 @@ def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, de
         "moe_kernel": a.moe_kernel, "dense_kernel": a.dense_kernel, "mla_kernel": a.mla_kernel,
         "approx": approx.describe() if approx is not None else "none",
         "block_size": a.block_size if B else 0, "forced_accept": tau,
+        # session 26: forced-acceptance steps include the drafter's own pass (before, XLA removed it)
+        "draft_pass_in_step": method != "none",
         "input_len": a.input_len, "output_len": a.output_len, "num_prompts": a.num_prompts,
         "ttft_ms": ms3(ttft), "tpot_ms": ms3(tpot), "itl_ms": ms3(itl_v, itl_w),
         "output_throughput_tok_s": total_out / wall, "wall_s": wall, "total_output_tokens": total_out,

@@ -67,6 +67,7 @@ def test_batch1_several_rows_share_one_model(tmp_path, capsys):
     rows = rec["rows"]
     assert [(r["spec"], r["forced_accept"]) for r in rows] == [("none", None), ("dspark", 1.0), ("dspark", 3.0)]
     assert [round(r["accept_length"]) for r in rows] == [1, 1, 3]
+    assert [r["draft_pass_in_step"] for r in rows] == [False, True, True]
     assert len(list(tmp_path.glob("batch1-*.json"))) == 3
     assert "== summary ==" in capsys.readouterr().out
 
