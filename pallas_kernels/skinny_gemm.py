@@ -48,13 +48,6 @@ Design
   accumulator for the whole K range) and each tile's WGMMA stays in flight while the next tile
   converts (buffers released one pipeline step late; stages >= 2). Rounds scale and products to
   f16 (2**-11 relative), finer than the model's bf16 dequantisation.
-* fp8 ``fp8_schedule='e4m3'`` (session 26, k_minor only; CPU-checked, not yet run on a GPU): no
-  conversion at all. The [bn, 128] e4m3 tile is the WGMMA A operand as the TMA left it (an 8-bit
-  WGMMA needs both operands K-major, hence k_minor), and the tokens come as two e4m3 pieces
-  (``common.fp8_pieces``: each row scaled by a power of two, its top 4 significant bits and the
-  rest x 2**4; exact for values within 13-14 octaves of the row max or bound, the rest off by
-  at most 2**-21 of it), two fp8 x fp8 WGMMAs per tile (N = m_pad each), then ``carry += (hi +
-  lo * 2**-4) * scale``. Aims at the bf16 path's bandwidth with half the bytes.
 * ``k_minor=True`` (session 8; on the H200 since run 31): w as [N, K] (torch's Linear
   layout). Each [bn, 128] tile is then a WGMMA A operand as it lies: bf16 straight from the TMA
   buffer, fp8 loaded 4 bytes per thread, converted to f16 and relaid in registers
@@ -383,8 +376,7 @@ def skinny_gemm_pallas(x, w, scale=None, x_bound=None, *, block_n=None, split_k=
     ``plgpu.InterpretGPUParams``. ``out_dtype``: default x.dtype (float32 for lm_head logits).
     ``fp8_schedule``: 'serial' (default: convert, WGMMA, wait per K tile), 'pair' (two K tiles
     per pipeline step, the second converted while the first multiplies; needs an even number of
-    K tiles per program) or 'async' (module docstring); neither beat 'serial' on the H200; 'e4m3'
-    (k_minor only: fp8 x fp8 WGMMAs, the tokens as two e4m3 pieces; module docstring).
+    K tiles per program) or 'async' (module docstring); neither beat 'serial' on the H200.
     ``k_minor``: w is [N, K] (K minor, torch's Linear layout; scale as always [K/128, ceil(N/128)],
     the Fp8Weight convention of [IN blocks, OUT blocks]); fp8 tiles become the WGMMA A operand in
     registers, no f16 SMEM tile ('serial'; 'async' is refused). H200, run 31: 2560 x 20480 M=1
