@@ -50,8 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-schedule", default="serial",
                     help="comma list of fp8 schedules: serial (default), pair (two K tiles per step, the "
                          "second converted under the first's WGMMA), async (block scale folded into the f16 "
-                         "conversion, each tile's WGMMA left in flight), e4m3 (with --k-minor: fp8 x fp8 "
-                         "WGMMAs on the tile as loaded, the tokens as two e4m3 pieces); bf16 rows ignore it")
+                         "conversion, each tile's WGMMA left in flight); bf16 rows ignore it")
     ap.add_argument("--fp8-load-layout", default="",
                     help="comma list of register layouts for the fp8 tile loads (wgmma, upcast2x, 8bit; "
                          "default: pallas_kernels.common's); bf16 rows ignore it")

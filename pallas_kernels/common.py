@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -15,10 +14,6 @@ E_MIN = -100     # f16_rows' smallest row exponent (2**(X_TOP_EXP - E_MIN) and i
 # |w| > 64 would overflow f16 to inf (a loud failure, not a silent one), smaller blocks lose precision
 # gradually (f16 subnormals). The power of two is undone on the float32 output.
 SCALE_SHIFT = 10
-# e4m3 token pieces (fp8_pieces): each row scaled by a power of two to max|x| in [2**7, 2**8), under
-# e4m3's largest value (448); the second piece is the first's rounding error times 2**PIECE_SHIFT
-E4M3_TOP_EXP = 8
-PIECE_SHIFT = 4
 
 
 def swizzled(minor_elems: int, itemsize: int = 2):
@@ -78,34 +73,6 @@ def f16_rows(x, rows: int, bound=None):
         e = jnp.broadcast_to(row_exponent(bound), (M,))
     xs = (xf * pow2(X_TOP_EXP - e)[:, None]).astype(jnp.float16)
     return jnp.zeros((rows, K), jnp.float16).at[:M].set(xs), e
-
-
-def fp8_pieces(x, rows: int, bound=None):
-    """Tokens for an e4m3 x e4m3 WGMMA (no conversion of the weight tile): x [M, K] (used as bf16),
-    M <= rows -> (xp [2, rows, K] float8_e4m3fn, e [M] int32). With s = 2**(E4M3_TOP_EXP - e[m])
-    (e as in `f16_rows`: the exponent of row m's max |x|, or of ``bound`` for every row), row m is
-
-        x_bf16[m] * s = xp[0, m] + xp[1, m] * 2**-PIECE_SHIFT
-
-    exactly for every value with |x| * s >= 2**-6 (13 to 14 octaves under the row max: a bf16 value
-    has 8 significant bits, the first piece takes its top 4, its rounding error the other 4, both
-    normal or e4m3-subnormal there); smaller values are off by at most 2**-14 / s (at most 2**-21
-    of the row max).
-    Rows past M are zeros. A product computed from row m is undone by ``pow2(e[m] - E4M3_TOP_EXP)``.
-    With ``bound``, a value more than 1.75x the bound is past e4m3's range and becomes nan (a loud
-    failure); an inf / nan in a row makes its pieces nan."""
-    M, K = x.shape
-    if bound is not None and jnp.ndim(bound) != 0:
-        raise ValueError(f"the bound must be one scalar for all of x (|x| <= bound), got shape {jnp.shape(bound)}")
-    xf = x.astype(jnp.bfloat16).astype(jnp.float32)
-    if bound is None:
-        e = row_exponent(jnp.max(jnp.abs(xf), axis=1))
-    else:
-        e = jnp.broadcast_to(row_exponent(bound), (M,))
-    xs = xf * pow2(E4M3_TOP_EXP - e)[:, None]
-    hi = xs.astype(jnp.float8_e4m3fn)
-    lo = ((xs - hi.astype(jnp.float32)) * np.float32(2.0 ** PIECE_SHIFT)).astype(jnp.float8_e4m3fn)
-    return jnp.zeros((2, rows, K), jnp.float8_e4m3fn).at[:, :M].set(jnp.stack([hi, lo])), e
 
 
 # Register layout of the SMEM loads that bring an fp8 weight tile to registers (for conversion to a

@@ -91,13 +91,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (ASYNC_K_MINOR, E4M3_TOP_EXP, PIECE_SHIFT, SCALE_SHIFT, X_TOP_EXP, a_operand,
-                                    a_regs, f16_rows, fp8_pieces, load_fp8, pow2, store, swizzled)
+from pallas_kernels.common import (ASYNC_K_MINOR, SCALE_SHIFT, X_TOP_EXP, a_operand, a_regs, f16_rows, load_fp8,
+                                    pow2, store, swizzled)
 
 __all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "SkinnyConfig", "skinny_gemm_config", "skinny_gemm_pallas",
            "skinny_gemm_reference", "weight_bytes"]
@@ -108,7 +107,7 @@ N_SMS = 132           # H200
 MIN_K_TILES = 4       # default split_k keeps at least this many K tiles per program
 SMEM_TARGET = 110 * 1024   # default stages: fit two programs per SM (227 KiB)
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
-FP8_SCHEDULES = ("serial", "pair", "async", "e4m3")
+FP8_SCHEDULES = ("serial", "pair", "async")
 # fp8 defaults from the H200 sweep (session 7, bench/skinny_gemm_timing.py --block-n 64,128
 # --split-k 1,2,4 --stages 2,4, M = 1): 2560 -> 20480 in 24.5 us at block_n 64, split 2, 2 stages
 # against 31.6 us at the earlier 128 / 2 / 4 (the serial convert -> WGMMA chain per tile gains from
@@ -175,11 +174,7 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
         w_spec = plgpu.BlockSpec((bn, BLOCK), lambda i: (0, i), transforms=swizzled(BLOCK, 1 if fp8 else 2))
     else:
         w_spec = plgpu.BlockSpec((BLOCK, bn), lambda i: (i, 0), transforms=swizzled(bn, 1) if fp8 else w_tf)
-    if fp8_schedule == "e4m3":     # the tokens' two e4m3 pieces [2, m_pad, K] (common.fp8_pieces)
-        x_spec = plgpu.BlockSpec((2, mp, BLOCK), lambda i: (0, 0, i), transforms=swizzled(BLOCK, 1))
-    else:
-        x_spec = plgpu.BlockSpec((mp, BLOCK), lambda i: (0, i), transforms=x_tf)
-    specs = [w_spec, x_spec]
+    specs = [w_spec, plgpu.BlockSpec((mp, BLOCK), lambda i: (0, i), transforms=x_tf)]
 
     def store_out(y, part_g, j, s):
         def scoped(o_s):
@@ -191,7 +186,7 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
 
     def operands(w_g, x_g, j, s):
         cols, ks_ = pl.ds(j * bn, bn), pl.ds(s * ks, ks)
-        return (w_g.at[cols, ks_] if k_minor else w_g.at[ks_, cols], x_g.at[..., ks_])
+        return (w_g.at[cols, ks_] if k_minor else w_g.at[ks_, cols], x_g.at[:, ks_])
 
     def f16_tile():
         """The f16 weight tile in SMEM (k_minor fp8: interpret mode's copy of the register operand)."""
@@ -329,35 +324,7 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
                           *((f16_tile(),) if not k_minor or interpret else ()))
         store_out(y, part_g, j, s)
 
-    def body_fp8_e4m3(x_g, w_g, s_g, part_g):
-        """fp8 x fp8 on the tensor cores (k_minor): the [bn, 128] e4m3 tile is the WGMMA A operand as
-        the TMA left it (no conversion), the tokens' two e4m3 pieces two B operands; per tile both
-        products go to fresh accumulators and carry += (hi + lo * 2**-PIECE_SHIFT) * block scale."""
-        j, s = lax.axis_index("n"), lax.axis_index("k")
-        nb_g = s_g.shape[2]
-        grp, jb = divmod((j * bn) // BLOCK, nb_g)       # this program's column block of the scales
-        lo_w = np.float32(2.0 ** -PIECE_SHIFT)
-
-        def step(idxs, w8_s, x_s, carry):
-            (i,) = idxs
-            sc = s_g[grp, s * kps + i, jb]          # a scalar load from GMEM (L2), issued first
-
-            def mma(acc_hi, acc_lo):
-                plgpu.wgmma(acc_hi, w8_s, x_s.at[0].T)
-                plgpu.wgmma(acc_lo, w8_s, x_s.at[1].T)
-                plgpu.wgmma_wait(0)
-                return acc_hi[...], acc_lo[...]
-
-            hi, lo = pl.run_scoped(mma, plgpu.ACC((bn, mp), _F32), plgpu.ACC((bn, mp), _F32))
-            return carry + (hi + lo * lo_w) * sc
-
-        zero = plgpu.layout_cast(jnp.zeros((bn, mp), _F32), _WG)
-        y = plgpu.emit_pipeline(step, grid=(kps,), in_specs=specs, max_concurrent_steps=cfg.stages,
-                                init_carry=zero)(*operands(w_g, x_g, j, s))
-        store_out(y, part_g, j, s)
-
-    fp8_body = {"serial": body_fp8, "pair": body_fp8_pair, "async": body_fp8_async,
-                "e4m3": body_fp8_e4m3}[fp8_schedule]
+    fp8_body = {"serial": body_fp8, "pair": body_fp8_pair, "async": body_fp8_async}[fp8_schedule]
     kernel = plgpu.kernel(
         fp8_body if fp8 else body_bf16,
         out_type=jax.ShapeDtypeStruct((S, N, mp), part_dtype),
@@ -432,9 +399,6 @@ def skinny_gemm_pallas(x, w, scale=None, x_bound=None, *, block_n=None, split_k=
             raise ValueError(f"scale {given} must be [K/128, ceil(N/128)] = {(nk, nb)} (one float32 "
                              "per 128 x 128 block of w), or [G, K/128, N/128/G] for G column groups of whole "
                              "128-column blocks (a stacked weight's scales as stored)")
-    if fp8 and not k_minor and fp8_schedule == "e4m3":
-        raise ValueError("fp8_schedule='e4m3' needs k_minor=True weights ([N, K]): an 8-bit WGMMA operand "
-                         "cannot be transposed; use 'serial' for [K, N] weights")
     if fp8 and k_minor and fp8_schedule == "pair":
         raise ValueError("fp8_schedule='pair' is not implemented for k_minor weights; use 'serial'")
     cfg = skinny_gemm_config(M, K, N, fp8, block_n=block_n, split_k=split_k, stages=stages, k_minor=k_minor)
@@ -449,12 +413,8 @@ def skinny_gemm_pallas(x, w, scale=None, x_bound=None, *, block_n=None, split_k=
     xb = x.astype(_BF)
     s_t = None
     if fp8:
-        if fp8_schedule == "e4m3":       # two e4m3 pieces per token row, scaled by 2**(E4M3_TOP_EXP - e)
-            xp, e = fp8_pieces(xb, cfg.m_pad, x_bound)
-            e = e - (E4M3_TOP_EXP - X_TOP_EXP)          # the same unscaling below
-        else:
-            xp, e = f16_rows(xb, cfg.m_pad, x_bound)   # f16 tokens, each row scaled by 2**(X_TOP_EXP - e)
-        if fp8_schedule in ("serial", "e4m3"):  # the kernel reads each tile's scale where it is stored
+        xp, e = f16_rows(xb, cfg.m_pad, x_bound)   # f16 tokens, each row scaled by 2**(X_TOP_EXP - e)
+        if fp8_schedule == "serial":          # the kernel reads each tile's scale where it is stored
             s_t = scale
         else:       # scales as [N blocks, K blocks]: a program's scales are one row (one TMA), 16-byte rows
             s_t = jnp.swapaxes(jnp.moveaxis(scale, 1, 0).reshape(nk, nb), 0, 1)

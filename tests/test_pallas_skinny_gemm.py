@@ -152,57 +152,6 @@ def test_interpret_k_minor_matches_reference(M, K, N, fp8, kw):
     _check(out, skinny_gemm_reference(x, w.T, s, k_minor=True), 1e-5)
 
 
-# fp8_schedule='e4m3' (k_minor only): fp8 x fp8 WGMMAs, the tokens as two e4m3 pieces (common.fp8_pieces)
-E4M3_CASES = [
-    (1, 256, 256, {}),
-    (9, 384, 192, dict(split_k=3)),                           # N = 1.5 scale blocks
-    (16, 256, 128, dict(block_n=128, stages=1)),
-    (5, 512, 256, dict(split_k=2, stages=2)),
-]
-
-
-@pytest.mark.parametrize("M,K,N,kw", E4M3_CASES)
-@interpret_only
-def test_interpret_e4m3_schedule_matches_reference(M, K, N, kw):
-    w, s = _weights(K, N, True, seed=M + N + 3)
-    x = _x(M, K, seed=M)
-    out = jax.block_until_ready(skinny_gemm_pallas(x, w.T, s, interpret=INTERPRET, out_dtype=F32, k_minor=True,
-                                                   fp8_schedule="e4m3", **kw))
-    assert_no_race_flagged()
-    _check(out, skinny_gemm_reference(x, w, s), 1e-5)
-
-
-@interpret_only
-@pytest.mark.parametrize("bound", [False, True])
-def test_interpret_e4m3_rows_of_different_magnitudes(bound):
-    """The e4m3 pieces scale each row by its own power of two (or all by the bound's): tiny, huge and
-    all-zero rows keep their precision; with a bound far above a row's values, the row's small
-    values still reach the product (error under 2**-21 of the bound per value)."""
-    K, N = 256, 128
-    w, s = _weights(K, N, True, seed=8)
-    mags = jnp.asarray([1e-30, 1e-6, 1.0, 3e4, 1e30, 0.0], F32)[:, None]
-    x = (_x(6, K, seed=8).astype(F32) * mags).astype(BF16)
-    if bound:
-        x = x[1:4] * jnp.asarray([1e3, 1.0, 1e-3], BF16)[:, None]       # rows ~1e-3, ~1, ~30
-        xb = jnp.float32(float(np.abs(np.asarray(x, np.float32)).max()) * 3.0)
-    out = np.asarray(skinny_gemm_pallas(x, w.T, s, *((xb,) if bound else ()), interpret=INTERPRET, out_dtype=F32,
-                                        k_minor=True, fp8_schedule="e4m3"), np.float64)
-    ref = np.asarray(skinny_gemm_reference(x, w, s), np.float64)
-    assert np.isfinite(out).all()
-    if not bound:
-        assert not out[5].any()
-        for r in range(5):
-            np.testing.assert_allclose(out[r], ref[r], rtol=1e-5, atol=1e-5 * np.abs(ref[r]).max())
-        return
-    # values under 2**-14 of the bound's power of two are rounded, by at most 2**-21 of the bound
-    # (common.fp8_pieces): per output at most that times the column's sum of |w|
-    col = np.abs(np.asarray(skinny_gemm_reference(jnp.eye(K, dtype=BF16), w, s), np.float64)).sum(0)
-    for r in range(3):
-        err = np.abs(out[r] - ref[r])
-        assert (err <= 2.0 ** -21 * float(xb) * col + 1e-5 * np.abs(ref[r]).max()).all(), (r, err.max())
-    np.testing.assert_allclose(out[1:], ref[1:], rtol=1e-4, atol=1e-4 * np.abs(ref[1:]).max())   # rows ~1, ~30
-
-
 @interpret_only
 def test_interpret_default_out_dtype_is_x_dtype():
     w, s = _weights(256, 128, True, seed=3)
@@ -302,7 +251,6 @@ def test_rejects_bad_inputs():
         (dict(x=x, w=w, scale=s, fp8_schedule="async", stages=1), "'async' needs stages >= 2"),
         (dict(x=x, w=w.T, scale=s, k_minor=True, fp8_schedule="pair"), "'pair' is not implemented for k_minor"),
         (dict(x=x, w=w.T, scale=s, k_minor=True, fp8_schedule="async"), "'async' with k_minor=True gave wrong"),
-        (dict(x=x, w=w, scale=s, fp8_schedule="e4m3"), "'e4m3' needs k_minor=True"),
         (dict(x=x, w=w, scale=s, k_minor=True), r"disagree on K"),           # [K, N] given as [N, K]
         (dict(x=x, w=w.T, scale=s.T, k_minor=True), r"scale \(1, 2\) must be \[K/128, ceil\(N/128\)\]"),
     ]
@@ -371,16 +319,6 @@ def test_k_minor_cross_lowers_for_cuda_ling_shape(M, K, N, fp8):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("K,N", LING_SHAPES + [(2560, 576)])
-@pytest.mark.parametrize("M", [1, 9, 16])
-def test_e4m3_cross_lowers_for_cuda_ling_shape(M, K, N):
-    x, w, s = _abstract(M, K, N, True)
-    f = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32 if N > 100_000 else None, k_minor=True,
-                                              fp8_schedule="e4m3"))
-    text = f.trace(x, jax.ShapeDtypeStruct((N, K), w.dtype), s).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
 @pytest.mark.parametrize("layout", ["wgmma", "upcast2x"])      # the default, 8bit, is covered above
 @pytest.mark.parametrize("schedule", ["serial", "async"])
 def test_fp8_load_layouts_cross_lower_for_cuda(schedule, layout):
@@ -425,17 +363,6 @@ def test_gpu_k_minor_ling_shape_matches_reference(M, K, N, fp8):
     wt = jax.jit(lambda a: a.T)(w)
     out = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32, k_minor=True))(
         x, wt, *(() if s is None else (s,)))
-    _check(out, jax.jit(skinny_gemm_reference)(x, w, s), 1e-4)
-
-
-@gpu_only
-@pytest.mark.parametrize("K,N", LING_SHAPES)
-@pytest.mark.parametrize("M", [1, 9, 16])
-def test_gpu_e4m3_ling_shape_matches_reference(M, K, N):
-    w, s = _weights(K, N, True, seed=1)
-    x = _x(M, K, seed=M)
-    wt = jax.jit(lambda a: a.T)(w)
-    out = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32, k_minor=True, fp8_schedule="e4m3"))(x, wt, s)
     _check(out, jax.jit(skinny_gemm_reference)(x, w, s), 1e-4)
 
 

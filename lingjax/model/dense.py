@@ -64,11 +64,6 @@ DENSE_KERNELS = ("xla", "pallas")
 MAX_TOKENS = skinny_gemm.MAX_M
 BLOCK = skinny_gemm.BLOCK
 N_ALIGN = 64
-# The skinny GEMM's schedule for fp8 weights stored K-minor ([N, K]: KDA w_in / w_out): 'serial'
-# (each tile converted to f16 in registers) or 'e4m3' (session 26: fp8 x fp8 WGMMAs on the tile as
-# loaded, the tokens as two e4m3 pieces; not yet run on a GPU, so not the default). [K, N] weights
-# always take 'serial' (an 8-bit WGMMA operand cannot be transposed). A trace-time setting.
-FP8_K_MINOR_SCHEDULE = "serial"
 
 
 def check_dense_kernel(kernel: str, dtype=None) -> str:
@@ -163,11 +158,9 @@ def dense_matmul(x, weight, *, k_axes: int = 1, out_dtype=None, x_bound=None):
     K, _ = _matrix_shape(tuple(weight.shape), k_axes)
     lead = x.shape[:x.ndim - len(k_ax)]
     out_dtype = out_dtype or jnp.promote_types(x.dtype, compute_dtype(weight))
-    k_minor = k_axes < 0
-    schedule = FP8_K_MINOR_SCHEDULE if k_minor and scale is not None else "serial"
     y = kernels.shared_call(skinny_gemm.skinny_gemm_pallas, x.reshape(-1, K), w, scale, bound_arg(x_bound),
-                            interpret=interpret, out_dtype=jnp.dtype(out_dtype), k_minor=k_minor,
-                            fp8_schedule=schedule)
+                            interpret=interpret,
+                            out_dtype=jnp.dtype(out_dtype), k_minor=k_axes < 0)
     return y.reshape(*lead, *(weight.shape[a] for a in n_ax))
 
 
