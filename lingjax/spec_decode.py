@@ -288,8 +288,9 @@ class Decoder:
             cfg = draft.cfg
             ids = jnp.concatenate([s.anchor[None], jnp.full((b - 1,), cfg.mask_token_id, jnp.int32)])[None]
             hidden = draft.forward_block(s.draft_cache, target.embed_tokens(ids), p)
-            # the base logits: the target's own lm_head product, on the skinny GEMM when its lm_head is
-            lm_head_t = target.logits if dense.uses_kernel(target, "lm_head", b) else target.lm_head[...].T
+            # the base logits are the target's own lm_head product (target.logits: on the skinny GEMM
+            # when the target's lm_head is, its approx modes included), not a second copy of it here
+            lm_head_t = target.logits
             if self.greedy:
                 prop = draft.propose_greedy(hidden, s.anchor[None], lm_head_t)
                 q = None

@@ -239,7 +239,7 @@ class DSparkDraft(nnx.Module):
     def base_logits(self, hidden, lm_head):
         """hidden [B, Bk, hidden] @ lm_head[V, hidden]^T -> [B, Bk, V] in the acc dtype. lm_head may
         also be a function of hidden giving those logits (the Decoder passes the target's own
-        ``logits`` when its lm_head runs on the skinny GEMM: the same product)."""
+        ``logits``: the same product, on the skinny GEMM when the target's lm_head is)."""
         if callable(lm_head):
             return lm_head(hidden)
         acc = acc_dtype(hidden.dtype)
