@@ -130,6 +130,14 @@ TD_K_MINOR = 64     # kernel 2 with k-minor weights: D rows per program (the A t
 STAGES = 3          # TMA pipeline depth (default of `stages`)
 FP8_SCHEDULES = ("serial", "async")
 N_SMS = 132         # H200: the splits below aim at >= 2 programs per SM
+# Where the combine weights go (read at trace time). False: the per-expert outputs yu [U, D, 16]
+# are weighted and summed in one XLA reduction, y[m] = sum_u wu[u, m] yu[u, :, m] (an einsum with a
+# [M, D] output: ~5 us per verify-block call on the H200, session 22). True (session 27): the
+# weights scale each expert's activations in the XLA transpose between the two kernels (act[u, m]
+# * wu[u, m], a fusion that exists anyway), so kernel 2 writes weighted outputs and the combine is
+# a plain sum over the slots with the [D, M] layout kernel 2 writes. One more bf16 rounding (of
+# act * w) than the reference's order; not yet measured on a GPU.
+WEIGHTS_IN_ACT = False
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
 _WG = plgpu.Layout.WGMMA
 
@@ -700,8 +708,14 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
         if limits[1] != limits[0]:
             act = jnp.concatenate([act[:-1], _silu_clamp(gu[-1:, 0], gu[-1:, 1], limits[1])])
         act = act.astype(_BF)
-    yu = _down(uniq, jnp.swapaxes(act, 1, 2), w_down, su_d, split_f, stages, interpret, sh2,
+    act_t = jnp.swapaxes(act, 1, 2)                                             # [U, MAX_M, F]
+    if WEIGHTS_IN_ACT:       # token m's weight for slot u on its activations (fused into the transpose)
+        wpad = jnp.zeros((wu.shape[0], MAX_M), _F32).at[:, :M].set(wu)
+        act_t = (act_t.astype(_F32) * wpad[:, :, None]).astype(_BF)
+    yu = _down(uniq, act_t, w_down, su_d, split_f, stages, interpret, sh2,
                fp8_async, k_minor)                                              # [split, U, D, MAX_M]
+    if WEIGHTS_IN_ACT:
+        return yu.astype(_F32).sum((0, 1))[:, :M].T.astype(x.dtype)
     return jnp.einsum("sudm,um->md", yu[..., :M].astype(_F32), wu).astype(x.dtype)
 
 

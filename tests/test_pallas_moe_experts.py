@@ -23,6 +23,7 @@ from helpers import assert_no_race_flagged, interpret_only  # noqa: E402
 from lingjax.ops.moe import experts_gather  # noqa: E402
 from lingjax.param_layout import Matrix  # noqa: E402
 from lingjax.quant import FP8, Fp8Weight  # noqa: E402
+import pallas_kernels.moe_experts as moe_experts_mod  # noqa: E402
 from pallas_kernels.moe_experts import (dedupe_experts, moe_experts_pallas, moe_split, scale_at,  # noqa: E402
                                         scale_rows, weight_bytes)
 
@@ -390,6 +391,32 @@ def test_interpret_k_minor_weights_match(M, mode, split_d, split_f, with_shared,
         ref = ref + _reference(x, jnp.full((M, 1), E, jnp.int32), jnp.ones((M, 1), F32), vgu, sgu, vd, sd, 0.05)
     _check(out, ref, 2e-2)
 
+
+
+@pytest.mark.parametrize("M,split_d,split_f,with_shared,kind", [(9, 1, 1, True, "fp8"), (1, 4, 1, True, "fp8"),
+                                                                (3, 2, 2, False, "bf16")])
+@interpret_only
+def test_interpret_weights_in_act_match(monkeypatch, M, split_d, split_f, with_shared, kind):
+    """WEIGHTS_IN_ACT: the combine weights on the activations between the kernels, the combine a
+    plain sum: the reference's output within its tolerance, and the weights-in-combine output within
+    bf16 rounding (k_minor, as the model runs it; repeated experts, the shared slot, a split F)."""
+    E, k, D, F = 16, 4, 512, 256
+    vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=53 + M, kind=kind)
+    routed = _k_minor(*(None if a is None else a[:E] for a in (vgu, sgu, vd, sd)))
+    shared = (*(None if a is None else a[0] for a in _k_minor(*(None if a is None else a[E:]
+                                                                for a in (vgu, sgu, vd, sd)))), 0.05) if with_shared else None
+    idx, w = _routing(M, k, E, "overlap", seed=M + 4)
+    x = jax.random.normal(jax.random.PRNGKey(M + 29), (M, D), F32).astype(BF16)
+    kw = dict(split_d=split_d, split_f=split_f, k_minor=True, shared=shared, interpret=INTERPRET)
+    base = moe_experts_pallas(x, idx, w, *routed, 0.02, **kw)
+    monkeypatch.setattr(moe_experts_mod, "WEIGHTS_IN_ACT", True)
+    out = jax.block_until_ready(moe_experts_pallas(x, idx, w, *routed, 0.02, **kw))
+    assert_no_race_flagged()
+    _check(out, base, 1e-2)
+    ref = _reference(x, idx, w, *(None if a is None else a[:E] for a in (vgu, sgu, vd, sd)), 0.02)
+    if with_shared:
+        ref = ref + _reference(x, jnp.full((M, 1), E, jnp.int32), jnp.ones((M, 1), F32), vgu, sgu, vd, sd, 0.05)
+    _check(out, ref, 2e-2)
 
 
 @pytest.mark.parametrize("M,split_d,with_shared", [(1, 4, True), (9, 1, False)])
