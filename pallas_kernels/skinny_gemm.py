@@ -66,6 +66,11 @@ Design
   many as fit ~110 KiB of SMEM (so two programs can share an SM), between 2 and 8. fp8 (tuned on
   the H200, session 7): block_n = 64, 2 stages, split_k aiming at >= 528 programs (four per SM).
 
+* Several weights of one input (a tuple ``w``, session 27): their programs side by side in one
+  grid, each program's weight picked by a static range check on its column tile; the part array
+  holds the products one after the other and XLA splits them. Per further weight one launch, one
+  pipeline ramp and one output fusion fewer (the DSpark draft's q / k / v and gate / up).
+
 Launches per call: (fp8 without x_bound: the row max of x,) the x pad/convert fusion, the kernel,
 the split-K sum / transpose fusion ('pair' and 'async' also transpose the scales to one [K/128] row
 per column block, for one TMA per program).
@@ -158,14 +163,20 @@ def skinny_gemm_config(M: int, K: int, N: int, fp8: bool, *, block_n=None, split
     return SkinnyConfig(block_n, split_k, stages, m_pad, _smem_bytes(block_n, stages, m_pad, fp8, nk, k_minor))
 
 
-def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_schedule="serial", k_minor=False):
-    """xp [m_pad, K] bf16 (f16 for fp8 w), w [K, N], s_t f32 or None: the scales as stored, [G,
-    K/128, N/128/G] ('serial'), or [N/128 blocks, K/128 (+pad)] ('pair', 'async')
-    -> part [split_k, N, m_pad] part_dtype. fp8_schedule: 'serial' | 'pair' | 'async' (module
-    docstring; 'async' wants s_t pre-multiplied by 2**SCALE_SHIFT). k_minor: w [N, K]."""
-    N, K = w.shape if k_minor else w.shape[::-1]
-    fp8 = s_t is not None
+def _kernel_call(xp, ws, s_ts, cfg: SkinnyConfig, part_dtype, interpret, fp8_schedule="serial", k_minor=False):
+    """xp [m_pad, K] bf16 (f16 for fp8 w), ws: one or more weights w_i [K, N_i] (k_minor: [N_i, K])
+    of one dtype, s_ts: their scales (f32) or None: as stored, [G, K/128, N_i/128/G] ('serial'), or
+    [N_i/128 blocks, K/128 (+pad)] ('pair', 'async', one weight)
+    -> part [split_k, sum N_i, m_pad] part_dtype: the products side by side, one launch. Program j's
+    column tile belongs to the weight whose tile range holds j (a static range check per weight).
+    fp8_schedule: 'serial' | 'pair' | 'async' (module docstring; 'async' wants s_t pre-multiplied
+    by 2**SCALE_SHIFT)."""
+    Ns = [w.shape[0] if k_minor else w.shape[1] for w in ws]
+    K = ws[0].shape[1] if k_minor else ws[0].shape[0]
+    N = sum(Ns)
+    fp8 = s_ts is not None
     bn, S, mp = cfg.block_n, cfg.split_k, cfg.m_pad
+    tile_lo = [sum(Ns[:i]) // bn for i in range(len(Ns) + 1)]       # weight i: output tiles [lo_i, lo_i+1)
     kps = K // BLOCK // S                                   # K tiles per program
     ks = kps * BLOCK
     x_tf = swizzled(BLOCK, 2)
@@ -194,8 +205,8 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
             return plgpu.SMEM((bn, BLOCK), _F16, transforms=swizzled(BLOCK, 2))
         return plgpu.SMEM((BLOCK, bn), _F16, transforms=w_tf)
 
-    def body_bf16(x_g, w_g, part_g):
-        j, s = lax.axis_index("n"), lax.axis_index("k")
+    def body_bf16(x_g, w_g, part_g, j, jo):
+        s = lax.axis_index("k")
 
         def scoped(acc):
             def step(_, w_s, x_s):
@@ -206,11 +217,11 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
                                 max_concurrent_steps=cfg.stages)(*operands(w_g, x_g, j, s))
             return acc[...]
 
-        store_out(pl.run_scoped(scoped, plgpu.ACC((bn, mp), _F32)), part_g, j, s)
+        store_out(pl.run_scoped(scoped, plgpu.ACC((bn, mp), _F32)), part_g, jo, s)
 
-    def body_fp8(x_g, w_g, s_g, part_g):
+    def body_fp8(x_g, w_g, s_g, part_g, j, jo):
         """s_g: the scales as stored, [column groups, K/128, N/128 / groups] (no transpose)."""
-        j, s = lax.axis_index("n"), lax.axis_index("k")
+        s = lax.axis_index("k")
         nb_g = s_g.shape[2]
         grp, jb = divmod((j * bn) // BLOCK, nb_g)       # this program's column block of the scales
 
@@ -244,11 +255,11 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
                                        init_carry=zero)(*operands(w_g, x_g, j, s))
 
         y = pl.run_scoped(scoped, f16_tile()) if not k_minor or interpret else scoped()
-        store_out(y, part_g, j, s)
+        store_out(y, part_g, jo, s)
 
-    def body_fp8_pair(x_g, w_g, s_g, part_g):
+    def body_fp8_pair(x_g, w_g, s_g, part_g, j, jo):
         """Two K tiles per pipeline step: tile b's conversion runs while tile a's WGMMA does."""
-        j, s = lax.axis_index("n"), lax.axis_index("k")
+        s = lax.axis_index("k")
         pair_specs = [plgpu.BlockSpec((BLOCK, bn), lambda i, o=o: (2 * i + o, 0), transforms=swizzled(bn, 1))
                       for o in (0, 1)] + [plgpu.BlockSpec((mp, BLOCK), lambda i, o=o: (0, 2 * i + o), transforms=x_tf)
                                           for o in (0, 1)]
@@ -282,13 +293,13 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
 
         y = pl.run_scoped(scoped, plgpu.SMEM((2, BLOCK, bn), _F16, transforms=w_tf),
                           plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1))
-        store_out(y, part_g, j, s)
+        store_out(y, part_g, jo, s)
 
-    def body_fp8_async(x_g, w_g, s_g, part_g):
+    def body_fp8_async(x_g, w_g, s_g, part_g, j, jo):
         """Block scale folded into the f16 conversion: one accumulator, each tile's WGMMA left in
         flight while the next tile converts (s_g holds scale * 2**SCALE_SHIFT; k_minor: the scaled
         tile stays in registers as the A operand)."""
-        j, s = lax.axis_index("n"), lax.axis_index("k")
+        s = lax.axis_index("k")
         async_specs = [plgpu.BlockSpec(sp.block_shape, sp.index_map, transforms=sp.transforms,
                                        delay_release=1) for sp in specs]
 
@@ -322,17 +333,33 @@ def _kernel_call(xp, w, s_t, cfg: SkinnyConfig, part_dtype, interpret, fp8_sched
 
         y = pl.run_scoped(scoped, plgpu.SMEM((s_g.shape[1],), _F32), plgpu.Barrier(num_barriers=1),
                           *((f16_tile(),) if not k_minor or interpret else ()))
-        store_out(y, part_g, j, s)
+        store_out(y, part_g, jo, s)
 
-    fp8_body = {"serial": body_fp8, "pair": body_fp8_pair, "async": body_fp8_async}[fp8_schedule]
+    inner = {"serial": body_fp8, "pair": body_fp8_pair, "async": body_fp8_async}[fp8_schedule] if fp8 else body_bf16
+    nw = len(ws)
+
+    def body(x_g, *refs):
+        """Dispatch program jo to its weight: (x, w_0.., [s_0..], part)."""
+        w_gs, part_g = refs[:nw], refs[-1]
+        s_gs = refs[nw:2 * nw] if fp8 else (None,) * nw
+        jo = lax.axis_index("n")
+        for i in range(nw):
+            args = (x_g, w_gs[i]) + ((s_gs[i],) if fp8 else ()) + (part_g,)
+            if nw == 1:
+                inner(*args, jo, jo)
+            else:
+                lo, hi = tile_lo[i], tile_lo[i + 1]
+                pl.when((jo >= lo) & (jo < hi))(lambda args=args, lo=lo: inner(*args, jo - lo, jo))
+
     kernel = plgpu.kernel(
-        fp8_body if fp8 else body_bf16,
+        body,
         out_type=jax.ShapeDtypeStruct((S, N, mp), part_dtype),
         grid=(N // bn, S),
         grid_names=("n", "k"),
+        kernel_name=inner.__name__,       # the kernel's name in profiles
         interpret=interpret if interpret else None,
     )
-    return kernel(xp, w, s_t) if fp8 else kernel(xp, w)
+    return kernel(xp, *ws, *(s_ts if fp8 else ()))
 
 
 def skinny_gemm_pallas(x, w, scale=None, x_bound=None, *, block_n=None, split_k=None, stages=None,
@@ -350,55 +377,83 @@ def skinny_gemm_pallas(x, w, scale=None, x_bound=None, *, block_n=None, split_k=
     20.1 vs 22.6 us.
     ``x_bound``: optional float32 scalar with |x| <= x_bound guaranteed by the caller (fp8 only:
     the tokens' f16 scaling then needs no reduction over x, `common.f16_rows`).
+
+    Several weights of one input (session 27): ``w`` a tuple of weights w_i [K, N_i] (k_minor
+    [N_i, K]) of one dtype and ``scale`` the tuple of their scales (or None for bf16) -> the tuple
+    of y_i = x @ w_i, computed in ONE launch (the programs of all the weights side by side, each
+    N_i a multiple of block_n; 'serial' only): e.g. a layer's q, k and v projections, or gate and
+    up, whose separate calls each pay a launch, a pipeline ramp and an output fusion.
     """
     if fp8_schedule not in FP8_SCHEDULES:
         raise ValueError(f"fp8_schedule={fp8_schedule!r} must be one of {FP8_SCHEDULES}")
     if k_minor and fp8_schedule == "async":
         raise ValueError(ASYNC_K_MINOR)
+    multi = isinstance(w, (tuple, list))
+    ws = tuple(w) if multi else (w,)
+    if multi:
+        if not ws:
+            raise ValueError("w is an empty tuple: give at least one weight")
+        scales = (None,) * len(ws) if scale is None else tuple(scale)
+        if len(scales) != len(ws):
+            raise ValueError(f"{len(ws)} weights but {len(scales)} scales: give one scale per fp8 weight (or "
+                             "scale=None for bfloat16 weights)")
+        if len(ws) > 1 and fp8_schedule != "serial":
+            raise ValueError(f"several weights in one call run fp8_schedule='serial' only, got {fp8_schedule!r}")
+    else:
+        scales = (scale,)
     w_dims = "[N, K]" if k_minor else "[K, N]"
-    if x.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"x {x.shape} and w {w.shape} must be 2-D: [M, K] and {w_dims} (reshape fused "
-                         f"weights to {w_dims} first)")
+    if x.ndim != 2 or any(wi.ndim != 2 for wi in ws):
+        raise ValueError(f"x {x.shape} and w {[wi.shape for wi in ws] if multi else w.shape} must be 2-D: [M, K] "
+                         f"and {w_dims} (reshape fused weights to {w_dims} first)")
     M, K = x.shape
-    N, K2 = w.shape if k_minor else w.shape[::-1]
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if K2 != K:
-        raise ValueError(f"x {x.shape} and w {w.shape} disagree on K")
     if not 1 <= M <= MAX_M:
         raise ValueError(f"M={M} tokens must be in 1..{MAX_M}; use x @ w (XLA) for prefill-sized M")
-    fp8 = w.dtype == _FP8
-    if w.dtype not in (_BF, _FP8):
-        raise ValueError(f"w must be bfloat16 or float8_e4m3fn, got {w.dtype}; cast it once at load time")
-    if fp8 and scale is None:
-        raise ValueError("fp8 weights need scale= [K/128, ceil(N/128)] float32 (Fp8Weight.scale_inv)")
-    if not fp8 and scale is not None:
-        raise ValueError("scale= is only for float8_e4m3fn weights; got bfloat16 weights")
+    fp8 = ws[0].dtype == _FP8
+    if any(wi.dtype != ws[0].dtype for wi in ws):
+        raise ValueError(f"the weights of one call must share a dtype, got {[str(wi.dtype) for wi in ws]}")
+    if ws[0].dtype not in (_BF, _FP8):
+        raise ValueError(f"w must be bfloat16 or float8_e4m3fn, got {ws[0].dtype}; cast it once at load time")
     if K % BLOCK:
         raise ValueError(f"K={K} must be a multiple of {BLOCK} (the K tile / fp8 scale block): pad w's "
                          "rows and x's columns with zeros once at load time")
-    if N % 64:
-        raise ValueError(f"N={N} must be a multiple of 64 (the smallest WGMMA tile): pad w's columns "
-                         "with zeros once at load time and slice the output")
-    allowed = (64, 128) if fp8 else (64, 128, 256)
-    if block_n is not None and (block_n not in allowed or N % block_n):
-        raise ValueError(f"block_n={block_n} must be one of {allowed} (one fp8 scale block per tile) "
-                         f"and divide N={N}")
     nk = K // BLOCK
+    Ns, s_given = [], []
+    for wi, sc in zip(ws, scales):
+        N, K2 = wi.shape if k_minor else wi.shape[::-1]
+        if K2 != K:
+            raise ValueError(f"x {x.shape} and w {wi.shape} disagree on K")
+        if fp8 and sc is None:
+            raise ValueError("fp8 weights need scale= [K/128, ceil(N/128)] float32 (Fp8Weight.scale_inv)")
+        if not fp8 and sc is not None:
+            raise ValueError("scale= is only for float8_e4m3fn weights; got bfloat16 weights")
+        if N % 64:
+            raise ValueError(f"N={N} must be a multiple of 64 (the smallest WGMMA tile): pad w's columns "
+                             "with zeros once at load time and slice the output")
+        nb = -(-N // BLOCK)
+        if fp8:
+            given = tuple(sc.shape)
+            sc = sc.astype(_F32)
+            if sc.ndim == 2:
+                sc = sc[None]                  # one column group
+            if sc.ndim != 3 or sc.shape[1] != nk or sc.shape[0] * sc.shape[2] != nb or (
+                    sc.shape[0] > 1 and N != sc.shape[0] * sc.shape[2] * BLOCK):
+                raise ValueError(f"scale {given} must be [K/128, ceil(N/128)] = {(nk, nb)} (one float32 "
+                                 "per 128 x 128 block of w), or [G, K/128, N/128/G] for G column groups of whole "
+                                 "128-column blocks (a stacked weight's scales as stored)")
+        Ns.append(N)
+        s_given.append(sc)
+    N = sum(Ns)
+    allowed = (64, 128) if fp8 else (64, 128, 256)
+    if block_n is not None and (block_n not in allowed or any(n % block_n for n in Ns)):
+        raise ValueError(f"block_n={block_n} must be one of {allowed} (one fp8 scale block per tile) "
+                         f"and divide every N ({Ns})")
+    if block_n is None and len(ws) > 1 and any(n % 128 for n in Ns):
+        block_n = 64                                   # each weight's columns whole tiles
     if split_k is not None and (split_k < 1 or nk % split_k):
         raise ValueError(f"split_k={split_k} must divide K/{BLOCK}={nk}")
     if stages is not None and stages < 1:
         raise ValueError(f"stages={stages} must be >= 1")
-    nb = -(-N // BLOCK)
-    if fp8:
-        given = tuple(scale.shape)
-        scale = scale.astype(_F32)
-        if scale.ndim == 2:
-            scale = scale[None]                  # one column group
-        if scale.ndim != 3 or scale.shape[1] != nk or scale.shape[0] * scale.shape[2] != nb or (
-                scale.shape[0] > 1 and N != scale.shape[0] * scale.shape[2] * BLOCK):
-            raise ValueError(f"scale {given} must be [K/128, ceil(N/128)] = {(nk, nb)} (one float32 "
-                             "per 128 x 128 block of w), or [G, K/128, N/128/G] for G column groups of whole "
-                             "128-column blocks (a stacked weight's scales as stored)")
     if fp8 and k_minor and fp8_schedule == "pair":
         raise ValueError("fp8_schedule='pair' is not implemented for k_minor weights; use 'serial'")
     cfg = skinny_gemm_config(M, K, N, fp8, block_n=block_n, split_k=split_k, stages=stages, k_minor=k_minor)
@@ -411,21 +466,23 @@ def skinny_gemm_pallas(x, w, scale=None, x_bound=None, *, block_n=None, split_k=
                          "or use fp8_schedule='serial'")
 
     xb = x.astype(_BF)
-    s_t = None
+    s_ts = None
     if fp8:
         xp, e = f16_rows(xb, cfg.m_pad, x_bound)   # f16 tokens, each row scaled by 2**(X_TOP_EXP - e)
         if fp8_schedule == "serial":          # the kernel reads each tile's scale where it is stored
-            s_t = scale
+            s_ts = tuple(s_given)
         else:       # scales as [N blocks, K blocks]: a program's scales are one row (one TMA), 16-byte rows
-            s_t = jnp.swapaxes(jnp.moveaxis(scale, 1, 0).reshape(nk, nb), 0, 1)
+            sc, nb = s_given[0], -(-Ns[0] // BLOCK)
+            s_t = jnp.swapaxes(jnp.moveaxis(sc, 1, 0).reshape(nk, nb), 0, 1)
             s_t = jnp.pad(s_t, ((0, 0), (0, -nk % 4))) if nk % 4 else s_t
-        if fp8_schedule == "async":     # the kernel multiplies f16 weights by f16(scale * 2**SHIFT)
-            s_t = s_t * 2.0 ** SCALE_SHIFT
-            e = e - SCALE_SHIFT
+            if fp8_schedule == "async":     # the kernel multiplies f16 weights by f16(scale * 2**SHIFT)
+                s_t = s_t * 2.0 ** SCALE_SHIFT
+                e = e - SCALE_SHIFT
+            s_ts = (s_t,)
     else:
         xp = jnp.zeros((cfg.m_pad, K), _BF).at[:M].set(xb)
     part_dtype = _F32 if cfg.split_k > 1 or fp8 else out_dtype
-    part = _kernel_call(xp, w, s_t, cfg, part_dtype, interpret, fp8_schedule, k_minor)   # [S, N, m_pad]
+    part = _kernel_call(xp, ws, s_ts, cfg, part_dtype, interpret, fp8_schedule, k_minor)   # [S, N, m_pad]
     # the split-K sum as explicit adds, then slice, row scale, cast and only then the transpose: XLA
     # makes all of it one kernel; part.sum(0)[:, :M].T (before session 24) made two, a transposing
     # reduction and an elementwise kernel (deviceless H200 compile, bench/xla_kernels.py)
@@ -435,7 +492,10 @@ def skinny_gemm_pallas(x, w, scale=None, x_bound=None, *, block_n=None, split_k=
     y = y[:, :M]                                                          # [N, M]
     if fp8:
         y = y * pow2(e - X_TOP_EXP)[None, :]
-    return y.astype(out_dtype).T
+    if not multi:
+        return y.astype(out_dtype).T
+    offs = [sum(Ns[:i]) for i in range(len(Ns) + 1)]
+    return tuple(y[offs[i]:offs[i + 1]].astype(out_dtype).T for i in range(len(Ns)))
 
 
 def skinny_gemm_reference(x, w, scale=None, k_minor=False):

@@ -329,6 +329,75 @@ def test_fp8_load_layouts_cross_lower_for_cuda(schedule, layout):
     assert "mosaic_gpu" in text
 
 
+# ---- several weights of one input in one launch --------------------------------------------------
+# (M, K, Ns, fp8, k_minor, tiling overrides)
+MULTI_CASES = [
+    (1, 256, (128, 64, 64), False, False, {}),                  # q / k / v of unequal widths (block_n 64)
+    (9, 256, (256, 256), False, True, dict(split_k=2)),        # gate / up, k_minor
+    (5, 384, (128, 192), True, False, {}),                      # fp8, N = 1.5 scale blocks in the second
+    (16, 256, (128, 128, 128), True, True, dict(block_n=128)),  # fp8 k_minor, one scale block per tile
+]
+
+
+@pytest.mark.parametrize("M,K,Ns,fp8,k_minor,kw", MULTI_CASES)
+@interpret_only
+def test_interpret_several_weights_match_one_call_each(M, K, Ns, fp8, k_minor, kw):
+    """A tuple of weights: the products of one launch equal each weight's own call, bit for bit
+    (the same programs, placed side by side), and the reference."""
+    ws, ss = zip(*(_weights(K, n, fp8, seed=M + i) for i, n in enumerate(Ns)))
+    wk = tuple(w.T for w in ws) if k_minor else ws
+    x = _x(M, K, seed=M)
+    sc = ss if fp8 else None
+    outs = jax.block_until_ready(skinny_gemm_pallas(x, wk, sc, interpret=INTERPRET, out_dtype=F32,
+                                                    k_minor=k_minor, **kw))
+    assert_no_race_flagged()
+    assert isinstance(outs, tuple) and [o.shape for o in outs] == [(M, n) for n in Ns]
+    for w, wki, s, out in zip(ws, wk, ss, outs):
+        one = skinny_gemm_pallas(x, wki, s, interpret=INTERPRET, out_dtype=F32, k_minor=k_minor,
+                                 block_n=kw.get("block_n", 64 if any(n % 128 for n in Ns) else None),
+                                 split_k=kw.get("split_k"))
+        if skinny_gemm_config(M, K, sum(Ns), fp8, **kw).split_k == skinny_gemm_config(
+                M, K, w.shape[1], fp8, block_n=kw.get("block_n"), split_k=kw.get("split_k")).split_k:
+            np.testing.assert_array_equal(np.asarray(out), np.asarray(one))
+        _check(out, skinny_gemm_reference(x, w, s), 1e-5)
+
+
+def test_several_weights_refuse_mismatches():
+    x = jnp.zeros((2, 256), BF16)
+    w1, w2 = jnp.zeros((256, 128), BF16), jnp.zeros((384, 128), BF16)
+    with pytest.raises(ValueError, match="disagree on K"):
+        skinny_gemm_pallas(x, (w1, w2))
+    with pytest.raises(ValueError, match="share a dtype"):
+        skinny_gemm_pallas(x, (w1, w1.astype(FP8)), (None, jnp.ones((2, 1), F32)))
+    with pytest.raises(ValueError, match="2 weights but 1 scales"):
+        skinny_gemm_pallas(x, (w1.astype(FP8),) * 2, (jnp.ones((2, 1), F32),))
+    with pytest.raises(ValueError, match="'serial' only"):
+        skinny_gemm_pallas(x, (w1.astype(FP8),) * 2, (jnp.ones((2, 1), F32),) * 2, fp8_schedule="async")
+    with pytest.raises(ValueError, match="empty"):
+        skinny_gemm_pallas(x, ())
+
+
+@pytest.mark.parametrize("M", [8, 9])
+@pytest.mark.parametrize("Ns,k_minor", [((4096, 4096, 4096), False), ((6144, 6144), False), ((4096, 4096), True)])
+def test_several_weights_cross_lower_for_cuda_draft_shapes(M, Ns, k_minor):
+    """The DSpark draft's fused calls (q / k / v, gate / up, the context's k / v) at its shapes."""
+    S = jax.ShapeDtypeStruct
+    ws = tuple(S((n, 2560) if k_minor else (2560, n), BF16) for n in Ns)
+    f = jax.jit(lambda x, *w: skinny_gemm_pallas(x, w, k_minor=k_minor))
+    text = f.trace(S((M, 2560), BF16), *ws).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("M", [1, 9])
+def test_several_fp8_weights_cross_lower_for_cuda(M):
+    S = jax.ShapeDtypeStruct
+    ws = (S((4096, 2560), FP8), S((1536, 2560), FP8))
+    ss = (S((20, 32), F32), S((20, 12), F32))
+    f = jax.jit(lambda x, w1, w2, s1, s2: skinny_gemm_pallas(x, (w1, w2), (s1, s2), k_minor=True))
+    text = f.trace(S((M, 2560), BF16), *ws, *ss).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 # ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
 @gpu_only
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -373,6 +442,19 @@ def test_gpu_tiling_overrides(kw):
     w, s = _weights(2560, 4096, False, seed=2)
     x = _x(9, 2560, seed=2)
     _check(skinny_gemm_pallas(x, w, s, out_dtype=F32, **kw), skinny_gemm_reference(x, w, s), 1e-4)
+
+
+@gpu_only
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("M", [1, 8, 9])
+def test_gpu_several_weights_match_reference(M, fp8):
+    """q / k / v of the DSpark draft's shape (fp8: the same widths) in one launch."""
+    Ns = (4096, 4096, 4096)
+    ws, ss = zip(*(_weights(2560, n, fp8, seed=3 + i) for i, n in enumerate(Ns)))
+    x = _x(M, 2560, seed=M)
+    outs = jax.jit(lambda x, ws, ss: skinny_gemm_pallas(x, ws, ss if fp8 else None, out_dtype=F32))(x, ws, ss)
+    for w, s, out in zip(ws, ss, outs):
+        _check(out, jax.jit(skinny_gemm_reference)(x, w, s), 1e-4)
 
 
 @interpret_only

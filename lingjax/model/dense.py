@@ -27,7 +27,8 @@ kernel takes with ``k_minor=True``: fp8 tiles as register WGMMA operands)):
     MTPLayer    eh_proj [2D, D]
     DSpark      every Linear (fc, q / k / v, the MLP, markov_w2) and HeadsOut (o_proj) of the draft:
                 the Decoder gives the draft the target's switch; its base logits are the target's
-                lm_head product (lingjax/spec_decode.py)
+                lm_head product (lingjax/spec_decode.py); the Linears of one input (q / k / v,
+                gate / up, the context's k / v) share one launch (:func:`dense_matmul_multi`)
 
 Which of them use the kernel is decided once, by :func:`set_dense_kernel` (also run by
 ``LingModel(dense_kernel=...)``), and recorded per layer in ``dense_kernel_weights``; a weight
@@ -162,6 +163,38 @@ def dense_matmul(x, weight, *, k_axes: int = 1, out_dtype=None, x_bound=None):
                             interpret=interpret,
                             out_dtype=jnp.dtype(out_dtype), k_minor=k_axes < 0)
     return y.reshape(*lead, *(weight.shape[a] for a in n_ax))
+
+
+def dense_matmul_multi(x, weights, *, k_axes: int = 1, out_dtype=None, x_bound=None):
+    """(x @ w for w in weights) on the skinny GEMM in ONE launch (skinny_gemm_pallas with a tuple of
+    weights): weights of one input, e.g. a layer's q / k / v projections, each [K..., N_i...]
+    (k_axes > 0) or [N_i..., K...] (k_axes < 0) with the same contracted size K and the same kind
+    (all bfloat16 or all block-fp8). The same products as one dense_matmul per weight (the same
+    programs side by side); a call saves each further weight a launch, a pipeline ramp and an
+    output fusion. Returns the tuple of outputs [..., *output dims of w_i]."""
+    ops = [kernel_operands(w, k_axes) for w in weights]
+    if kernels.current_mesh() is not None:
+        raise ValueError("dense_kernel='pallas' is not split over devices (no shard_map over the projections); "
+                         "use dense_kernel='xla' on a device mesh")
+    Ks = {_matrix_shape(tuple(w.shape), k_axes)[0] for w in weights}
+    if len(Ks) != 1:
+        raise ValueError(f"weights {[tuple(w.shape) for w in weights]} of one call must share the contracted "
+                         f"size K (k_axes={k_axes}), got {sorted(Ks)}")
+    fp8 = {s is not None for _, s in ops}
+    if len(fp8) != 1:
+        raise ValueError("weights of one call must all be block-fp8 or all bfloat16")
+    (K,) = Ks
+    interpret = kernels.interpret_arg("dense_kernel")
+    k_ax = _axes(len(weights[0].shape), k_axes)[0]
+    lead = x.shape[:x.ndim - len(k_ax)]
+    dtypes = {jnp.dtype(out_dtype or jnp.promote_types(x.dtype, compute_dtype(w))) for w in weights}
+    if len(dtypes) != 1:
+        raise ValueError(f"weights of one call give different output dtypes {sorted(map(str, dtypes))}")
+    scales = tuple(s for _, s in ops) if fp8 == {True} else None
+    ys = kernels.shared_call(skinny_gemm.skinny_gemm_pallas, x.reshape(-1, K), tuple(w for w, _ in ops), scales,
+                             bound_arg(x_bound), interpret=interpret, out_dtype=dtypes.pop(), k_minor=k_axes < 0)
+    return tuple(y.reshape(*lead, *(w.shape[a] for a in _axes(len(w.shape), k_axes)[1]))
+                 for y, w in zip(ys, weights))
 
 
 def uses_kernel(module, name: str, tokens: int) -> bool:

@@ -75,6 +75,22 @@ class Linear(nnx.Module):
         return jnp.tensordot(x.astype(w.dtype), w, axes=1)
 
 
+# Linears of one input in one skinny-GEMM launch (`linears`; session 27: 20 launches and 20 output
+# fusions fewer per DSpark step at the published draft's 5 layers). Read at trace time; False gives
+# one launch per Linear, the same products (kept for A/B timing).
+FUSED_LINEARS = True
+
+
+def linears(x, *modules: Linear):
+    """(m(x) for m in modules): Linears of one input. When every one of them runs on the skinny GEMM
+    for this call, all of them in ONE launch (dense.dense_matmul_multi: the same products as each
+    Linear's own call); otherwise each as its own call."""
+    tokens = math.prod(x.shape[:-1])
+    if FUSED_LINEARS and len(modules) > 1 and all(dense.uses_kernel(m, "weight", tokens) for m in modules):
+        return dense.dense_matmul_multi(x.astype(modules[0].weight.dtype), [m.weight for m in modules])
+    return tuple(m(x) for m in modules)
+
+
 class HeadsOut(nnx.Module):
     """o_proj: [B, T, heads, head_dim] -> [B, T, hidden]; weight stored [heads, head_dim, hidden]
     (the torch [hidden, heads*head_dim] weight transposed and split). Skinny GEMM as Linear."""
@@ -105,8 +121,8 @@ class DSparkAttention(nnx.Module):
 
     def context_kv(self, ctx, cos, sin):
         """ctx [B, n, hidden] -> K (normed, roped), V: [B, n, kv_heads, head_dim]."""
-        k = apply_rope(self.k_norm(self.k_proj(ctx)), cos[:, :, None, :], sin[:, :, None, :], interleaved=False)
-        return k, self.v_proj(ctx)
+        k, v = linears(ctx, self.k_proj, self.v_proj)
+        return apply_rope(self.k_norm(k), cos[:, :, None, :], sin[:, :, None, :], interleaved=False), v
 
     def __call__(self, x, k_ctx, v_ctx, ctx_valid, cos, sin):
         """x [B, Bk, hidden] (after input_layernorm); k_ctx/v_ctx [B, M, kvh, d];
@@ -115,9 +131,9 @@ class DSparkAttention(nnx.Module):
         kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         acc = acc_dtype(x.dtype)
         cs, sn = cos[:, :, None, :], sin[:, :, None, :]
-        q = apply_rope(self.q_norm(self.q_proj(x)), cs, sn, interleaved=False)        # [B,Bk,H,d]
-        k_blk = apply_rope(self.k_norm(self.k_proj(x)), cs, sn, interleaved=False)    # [B,Bk,kvh,d]
-        v_blk = self.v_proj(x)
+        q, k_blk, v_blk = linears(x, self.q_proj, self.k_proj, self.v_proj)
+        q = apply_rope(self.q_norm(q), cs, sn, interleaved=False)                   # [B,Bk,H,d]
+        k_blk = apply_rope(self.k_norm(k_blk), cs, sn, interleaved=False)           # [B,Bk,kvh,d]
         q = q.reshape(b, bk, kvh, g, d)
         scale = d ** -0.5
         s_ctx = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_ctx.astype(q.dtype), preferred_element_type=acc) * scale
@@ -142,7 +158,8 @@ class DSparkMLP(nnx.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, ("mlp", "embed"), dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linears(x, self.gate_proj, self.up_proj)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DSparkLayer(nnx.Module):
