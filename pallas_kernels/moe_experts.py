@@ -74,7 +74,11 @@ Design
   its own SwiGLU clamp) and whose combine weight is 1 for every token: the MoE layer's routed and
   shared experts in the same two launches, summed in float32 (the model uses it when the shared
   expert is as wide as a routed one).
-* Combine across experts: an XLA reduction ``y[m, d] = sum_s,u wu[u, m] * yu[s, u, d, m]`` (no
+* Combine across experts (``WEIGHTS_IN_ACT``, the default since session 27): the transpose
+  between the kernels also multiplies each slot's activations by its tokens' weights, act[u, m] *
+  wu[u, m], so kernel 2's outputs come weighted and the combine is the plain XLA sum
+  ``y[m, d] = sum_s,u yu[s, u, d, m]``. Before (WEIGHTS_IN_ACT = False): an XLA reduction
+  ``y[m, d] = sum_s,u wu[u, m] * yu[s, u, d, m]`` (no
   atomics: deterministic, and the extra traffic U*D*16*2 bytes is ~1.5% of the weight bytes).
 * Padding slots (uniq = -1) skip all their loads and matmuls (``pl.when``): only the selected
   experts' weights are read, each exactly once per call however many tokens chose it. Kernel 2
@@ -136,8 +140,9 @@ N_SMS = 132         # H200: the splits below aim at >= 2 programs per SM
 # weights scale each expert's activations in the XLA transpose between the two kernels (act[u, m]
 # * wu[u, m], a fusion that exists anyway), so kernel 2 writes weighted outputs and the combine is
 # a plain sum over the slots with the [D, M] layout kernel 2 writes. One more bf16 rounding (of
-# act * w) than the reference's order; not yet measured on a GPU.
-WEIGHTS_IN_ACT = False
+# act * w) than the reference's order. On by default since the H100 A/B of session 27 (12 layers,
+# fp8, DSpark tau 5.29, same host: 4.697 -> 4.646 ms/step).
+WEIGHTS_IN_ACT = True
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
 _WG = plgpu.Layout.WGMMA
 

@@ -397,9 +397,9 @@ def test_interpret_k_minor_weights_match(M, mode, split_d, split_f, with_shared,
                                                                 (3, 2, 2, False, "bf16")])
 @interpret_only
 def test_interpret_weights_in_act_match(monkeypatch, M, split_d, split_f, with_shared, kind):
-    """WEIGHTS_IN_ACT: the combine weights on the activations between the kernels, the combine a
-    plain sum: the reference's output within its tolerance, and the weights-in-combine output within
-    bf16 rounding (k_minor, as the model runs it; repeated experts, the shared slot, a split F)."""
+    """WEIGHTS_IN_ACT (the default): the combine weights on the activations between the kernels, the
+    combine a plain sum: the reference's output within its tolerance, and the weights-in-combine
+    output (WEIGHTS_IN_ACT = False) within bf16 rounding (k_minor, as the model runs it; repeated experts, the shared slot, a split F)."""
     E, k, D, F = 16, 4, 512, 256
     vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=53 + M, kind=kind)
     routed = _k_minor(*(None if a is None else a[:E] for a in (vgu, sgu, vd, sd)))
@@ -408,6 +408,7 @@ def test_interpret_weights_in_act_match(monkeypatch, M, split_d, split_f, with_s
     idx, w = _routing(M, k, E, "overlap", seed=M + 4)
     x = jax.random.normal(jax.random.PRNGKey(M + 29), (M, D), F32).astype(BF16)
     kw = dict(split_d=split_d, split_f=split_f, k_minor=True, shared=shared, interpret=INTERPRET)
+    monkeypatch.setattr(moe_experts_mod, "WEIGHTS_IN_ACT", False)
     base = moe_experts_pallas(x, idx, w, *routed, 0.02, **kw)
     monkeypatch.setattr(moe_experts_mod, "WEIGHTS_IN_ACT", True)
     out = jax.block_until_ready(moe_experts_pallas(x, idx, w, *routed, 0.02, **kw))
