@@ -141,7 +141,8 @@ N_SMS = 132         # H200: the splits below aim at >= 2 programs per SM
 # * wu[u, m], a fusion that exists anyway), so kernel 2 writes weighted outputs and the combine is
 # a plain sum over the slots with the [D, M] layout kernel 2 writes. One more bf16 rounding (of
 # act * w) than the reference's order. On by default since the H100 A/B of session 27 (12 layers,
-# fp8, DSpark tau 5.29, same host: 4.697 -> 4.646 ms/step).
+# fp8, DSpark tau 5.29, same host: 4.697 -> 4.646 ms/step). Read when a program is traced (set it
+# before the first trace: lingjax.model.kernels.shared_call caches traced kernels).
 WEIGHTS_IN_ACT = True
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
 _WG = plgpu.Layout.WGMMA
@@ -462,8 +463,8 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, share
 
 
 def _down(uniq, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8_async=False, k_minor=False):
-    """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [split, U, D, MAX_M], the unweighted per-expert
-    outputs over split ranges of F (zeros for padding slots; the caller sums the splits): bfloat16
+    """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [split, U, D, MAX_M], the per-expert outputs
+    (weighted when the caller weighted act_t: WEIGHTS_IN_ACT) over split ranges of F (zeros for padding slots; the caller sums the splits): bfloat16
     when split == 1 (each expert's output rounded once, as the reference's bf16 einsum does; half
     the bytes for the combine to read), float32 partial sums otherwise; U = len(uniq) (+ 1 with a
     shared expert). su_d: every expert's block scales [F/128, D/128] as `scale_rows` [E, R, C]

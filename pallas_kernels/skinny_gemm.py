@@ -381,8 +381,11 @@ def skinny_gemm_pallas(x, w, scale=None, x_bound=None, *, block_n=None, split_k=
     Several weights of one input (session 27): ``w`` a tuple of weights w_i [K, N_i] (k_minor
     [N_i, K]) of one dtype and ``scale`` the tuple of their scales (or None for bf16) -> the tuple
     of y_i = x @ w_i, computed in ONE launch (the programs of all the weights side by side, each
-    N_i a multiple of block_n; 'serial' only): e.g. a layer's q, k and v projections, or gate and
-    up, whose separate calls each pay a launch, a pipeline ramp and an output fusion.
+    N_i a multiple of block_n; fp8: 'serial' only): e.g. a layer's q, k and v projections, or gate
+    and up, whose separate calls each pay a launch, a pipeline ramp and an output fusion. The
+    default tiling follows the summed N, so split_k (and with it the float32 summation order) can
+    differ from a call per weight: the same products up to float32 rounding, bit for bit where
+    the tiling is the same.
     """
     if fp8_schedule not in FP8_SCHEDULES:
         raise ValueError(f"fp8_schedule={fp8_schedule!r} must be one of {FP8_SCHEDULES}")
@@ -393,12 +396,15 @@ def skinny_gemm_pallas(x, w, scale=None, x_bound=None, *, block_n=None, split_k=
     if multi:
         if not ws:
             raise ValueError("w is an empty tuple: give at least one weight")
+        if scale is not None and not isinstance(scale, (tuple, list)):
+            raise ValueError("with a tuple of weights, scale= must be a tuple of their scales (one per fp8 "
+                             "weight), or None for bfloat16 weights")
         scales = (None,) * len(ws) if scale is None else tuple(scale)
         if len(scales) != len(ws):
             raise ValueError(f"{len(ws)} weights but {len(scales)} scales: give one scale per fp8 weight (or "
                              "scale=None for bfloat16 weights)")
-        if len(ws) > 1 and fp8_schedule != "serial":
-            raise ValueError(f"several weights in one call run fp8_schedule='serial' only, got {fp8_schedule!r}")
+        if len(ws) > 1 and fp8_schedule != "serial" and ws[0].dtype == _FP8:
+            raise ValueError(f"several fp8 weights in one call run fp8_schedule='serial' only, got {fp8_schedule!r}")
     else:
         scales = (scale,)
     w_dims = "[N, K]" if k_minor else "[K, N]"
@@ -457,6 +463,8 @@ def skinny_gemm_pallas(x, w, scale=None, x_bound=None, *, block_n=None, split_k=
     if fp8 and k_minor and fp8_schedule == "pair":
         raise ValueError("fp8_schedule='pair' is not implemented for k_minor weights; use 'serial'")
     cfg = skinny_gemm_config(M, K, N, fp8, block_n=block_n, split_k=split_k, stages=stages, k_minor=k_minor)
+    if any(n % cfg.block_n for n in Ns):     # each program's columns must lie in one weight (_kernel_call)
+        raise AssertionError(f"block_n={cfg.block_n} does not divide every weight's N {Ns}")
     if fp8 and fp8_schedule == "async" and cfg.stages < 2:
         raise ValueError(f"fp8_schedule='async' needs stages >= 2 (a tile's buffers are released one step "
                          f"late, while its WGMMA runs); got stages={cfg.stages}")

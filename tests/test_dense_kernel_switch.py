@@ -176,6 +176,13 @@ def test_dspark_draft_follows_the_target_switch():
     assert rel(np.asarray(out.corrected_logits), np.asarray(ref.corrected_logits)) <= TOL
 
 
+def test_dense_matmul_multi_refuses_weights_of_different_k():
+    a = nnx.Param(jnp.zeros((256, 128), jnp.bfloat16))
+    b = nnx.Param(jnp.zeros((384, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match="contracted size K"):
+        dense.dense_matmul_multi(jnp.zeros((2, 256), jnp.bfloat16), [a, b])
+
+
 @pytest.mark.parametrize("kind", ["fp8", "bf16_weights"])
 def test_small_model_plan(kind):
     """Which projections of the small model the kernel streams, and why the others stay on XLA."""

@@ -375,6 +375,20 @@ def test_several_weights_refuse_mismatches():
         skinny_gemm_pallas(x, (w1.astype(FP8),) * 2, (jnp.ones((2, 1), F32),) * 2, fp8_schedule="async")
     with pytest.raises(ValueError, match="empty"):
         skinny_gemm_pallas(x, ())
+    with pytest.raises(ValueError, match="divide every N"):
+        skinny_gemm_pallas(x, (w1, jnp.zeros((256, 64), BF16)), block_n=128)
+    with pytest.raises(ValueError, match="must be a tuple of their scales"):
+        skinny_gemm_pallas(x, (w1.astype(FP8),) * 2, jnp.ones((2, 2, 1), F32))
+
+
+def test_several_weights_tile_each_weight_whole():
+    """Widths that are not all multiples of 128: every program's columns lie in one weight (block_n
+    64 by default), for bf16 with any fp8_schedule (bf16 ignores it); traced, not run."""
+    x = jax.ShapeDtypeStruct((9, 256), BF16)
+    ws = (jax.ShapeDtypeStruct((256, 64), BF16), jax.ShapeDtypeStruct((256, 17344), BF16))
+    for schedule in ("serial", "async"):
+        outs = jax.eval_shape(lambda x, a, b: skinny_gemm_pallas(x, (a, b), fp8_schedule=schedule), x, *ws)
+        assert [o.shape for o in outs] == [(9, 64), (9, 17344)]
 
 
 @pytest.mark.parametrize("M", [8, 9])

@@ -169,9 +169,12 @@ def dense_matmul_multi(x, weights, *, k_axes: int = 1, out_dtype=None, x_bound=N
     """(x @ w for w in weights) on the skinny GEMM in ONE launch (skinny_gemm_pallas with a tuple of
     weights): weights of one input, e.g. a layer's q / k / v projections, each [K..., N_i...]
     (k_axes > 0) or [N_i..., K...] (k_axes < 0) with the same contracted size K and the same kind
-    (all bfloat16 or all block-fp8). The same products as one dense_matmul per weight (the same
-    programs side by side); a call saves each further weight a launch, a pipeline ramp and an
-    output fusion. Returns the tuple of outputs [..., *output dims of w_i]."""
+    (all bfloat16 or all block-fp8). The same products as one dense_matmul per weight up to
+    float32 summation order (the tiling follows the summed width, so split_k may differ); a call
+    saves each further weight a launch, a pipeline ramp and an output fusion. Returns the tuple of
+    outputs [..., *output dims of w_i]. The weights' kernel operands (kernel_operands) are traced
+    into each call: switches read at trace time (e.g. lingjax.model.dspark.FUSED_LINEARS) take
+    effect for programs traced after they are set."""
     ops = [kernel_operands(w, k_axes) for w in weights]
     if kernels.current_mesh() is not None:
         raise ValueError("dense_kernel='pallas' is not split over devices (no shard_map over the projections); "

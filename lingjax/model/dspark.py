@@ -76,17 +76,22 @@ class Linear(nnx.Module):
 
 
 # Linears of one input in one skinny-GEMM launch (`linears`; session 27: 20 launches and 20 output
-# fusions fewer per DSpark step at the published draft's 5 layers). Read at trace time; False gives
-# one launch per Linear, the same products (kept for A/B timing).
+# fusions fewer per DSpark step at the published draft's 5 layers). Read when a program is traced
+# (set it before the first trace: a jitted function already traced keeps its choice); False gives
+# one launch per Linear, the same products up to float32 summation order (kept for A/B timing).
 FUSED_LINEARS = True
 
 
 def linears(x, *modules: Linear):
     """(m(x) for m in modules): Linears of one input. When every one of them runs on the skinny GEMM
-    for this call, all of them in ONE launch (dense.dense_matmul_multi: the same products as each
-    Linear's own call); otherwise each as its own call."""
+    for this call and their weights are of one kind (type and dtype), all of them in ONE launch
+    (dense.dense_matmul_multi: each Linear's own product up to float32 summation order); otherwise
+    each as its own call."""
     tokens = math.prod(x.shape[:-1])
-    if FUSED_LINEARS and len(modules) > 1 and all(dense.uses_kernel(m, "weight", tokens) for m in modules):
+    kinds = {(type(m.weight), jnp.dtype(dense.compute_dtype(m.weight)),
+              getattr(m.weight, "values", m.weight).dtype) for m in modules}
+    if FUSED_LINEARS and len(modules) > 1 and len(kinds) == 1 and all(
+            dense.uses_kernel(m, "weight", tokens) for m in modules):
         return dense.dense_matmul_multi(x.astype(modules[0].weight.dtype), [m.weight for m in modules])
     return tuple(m(x) for m in modules)
 
