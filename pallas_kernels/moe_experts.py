@@ -464,9 +464,10 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, share
 
 def _down(uniq, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8_async=False, k_minor=False):
     """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [split, U, D, MAX_M], the per-expert outputs
-    (weighted when the caller weighted act_t: WEIGHTS_IN_ACT) over split ranges of F (zeros for padding slots; the caller sums the splits): bfloat16
-    when split == 1 (each expert's output rounded once, as the reference's bf16 einsum does; half
-    the bytes for the combine to read), float32 partial sums otherwise; U = len(uniq) (+ 1 with a
+    (weighted when the caller weighted act_t: WEIGHTS_IN_ACT) over split ranges of F (zeros for
+    padding slots; the caller sums the splits): bfloat16 when split == 1 (each expert's output
+    rounded once, as the reference's bf16 einsum does; half the bytes for the combine to read),
+    float32 partial sums otherwise; U = len(uniq) (+ 1 with a
     shared expert). su_d: every expert's block scales [F/128, D/128] as `scale_rows` [E, R, C]
     (fp8 weights) or None (bf16 weights). ``shared`` = (w_shared [F, D], its scale rows or None):
     one more slot, u = len(uniq). ``fp8_async``: each chunk's WGMMA is left in flight while the

@@ -399,12 +399,15 @@ def test_interpret_k_minor_weights_match(M, mode, split_d, split_f, with_shared,
 def test_interpret_weights_in_act_match(monkeypatch, M, split_d, split_f, with_shared, kind):
     """WEIGHTS_IN_ACT (the default): the combine weights on the activations between the kernels, the
     combine a plain sum: the reference's output within its tolerance, and the weights-in-combine
-    output (WEIGHTS_IN_ACT = False) within bf16 rounding (k_minor, as the model runs it; repeated experts, the shared slot, a split F)."""
+    output (WEIGHTS_IN_ACT = False) within bf16 rounding (k_minor, as the model runs it; repeated
+    experts, the shared slot, a split F)."""
     E, k, D, F = 16, 4, 512, 256
     vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=53 + M, kind=kind)
     routed = _k_minor(*(None if a is None else a[:E] for a in (vgu, sgu, vd, sd)))
-    shared = (*(None if a is None else a[0] for a in _k_minor(*(None if a is None else a[E:]
-                                                                for a in (vgu, sgu, vd, sd)))), 0.05) if with_shared else None
+    shared = None
+    if with_shared:
+        one = _k_minor(*(None if a is None else a[E:] for a in (vgu, sgu, vd, sd)))
+        shared = (*(None if a is None else a[0] for a in one), 0.05)
     idx, w = _routing(M, k, E, "overlap", seed=M + 4)
     x = jax.random.normal(jax.random.PRNGKey(M + 29), (M, D), F32).astype(BF16)
     kw = dict(split_d=split_d, split_f=split_f, k_minor=True, shared=shared, interpret=INTERPRET)
