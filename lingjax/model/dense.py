@@ -149,20 +149,9 @@ def dense_matmul(x, weight, *, k_axes: int = 1, out_dtype=None, x_bound=None):
     docstring). out_dtype: default what the XLA path gives (x's dtype promoted with the weight's
     compute dtype). x_bound: optional static bound on |x| (an RMSNorm's recorded ``bound``,
     lingjax.model.common.record_input_bounds), which spares fp8 weights a reduction over x
-    (pallas_kernels.common.f16_rows). Compiled on a GPU, interpreted inside kernels.pallas_interpret()."""
-    w, scale = kernel_operands(weight, k_axes)
-    if kernels.current_mesh() is not None:
-        raise ValueError("dense_kernel='pallas' is not split over devices (no shard_map over the projections); "
-                         "use dense_kernel='xla' on a device mesh")
-    interpret = kernels.interpret_arg("dense_kernel")
-    k_ax, n_ax = _axes(len(weight.shape), k_axes)
-    K, _ = _matrix_shape(tuple(weight.shape), k_axes)
-    lead = x.shape[:x.ndim - len(k_ax)]
-    out_dtype = out_dtype or jnp.promote_types(x.dtype, compute_dtype(weight))
-    y = kernels.shared_call(skinny_gemm.skinny_gemm_pallas, x.reshape(-1, K), w, scale, bound_arg(x_bound),
-                            interpret=interpret,
-                            out_dtype=jnp.dtype(out_dtype), k_minor=k_axes < 0)
-    return y.reshape(*lead, *(weight.shape[a] for a in n_ax))
+    (pallas_kernels.common.f16_rows). Compiled on a GPU, interpreted inside kernels.pallas_interpret().
+    One weight's case of :func:`dense_matmul_multi` (the same kernel, grid and products)."""
+    return dense_matmul_multi(x, [weight], k_axes=k_axes, out_dtype=out_dtype, x_bound=x_bound)[0]
 
 
 def dense_matmul_multi(x, weights, *, k_axes: int = 1, out_dtype=None, x_bound=None):

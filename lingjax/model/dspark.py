@@ -88,8 +88,7 @@ def linears(x, *modules: Linear):
     (dense.dense_matmul_multi: each Linear's own product up to float32 summation order); otherwise
     each as its own call."""
     tokens = math.prod(x.shape[:-1])
-    kinds = {(type(m.weight), jnp.dtype(dense.compute_dtype(m.weight)),
-              getattr(m.weight, "values", m.weight).dtype) for m in modules}
+    kinds = {(type(m.weight), dense.compute_dtype(m.weight)) for m in modules}   # Param / Fp8Weight
     if FUSED_LINEARS and len(modules) > 1 and len(kinds) == 1 and all(
             dense.uses_kernel(m, "weight", tokens) for m in modules):
         return dense.dense_matmul_multi(x.astype(modules[0].weight.dtype), [m.weight for m in modules])
