@@ -215,17 +215,26 @@ def test_state_in_place_gives_the_same_run(monkeypatch):
 def test_window_from_kernel_gives_the_same_run(monkeypatch):
     """kda.WINDOW_FROM_KERNEL on (the decode step and the commit write the new conv window) and off
     (an XLA slice of window ++ projection): the same logits, states and conv windows (after the
-    commit and after the decode steps), bit for bit."""
+    commit and after the decode steps): bit for bit on the CPU (interpret mode); on a GPU within
+    float32 rounding, since XLA:GPU picks its fusions and GEMM algorithms per graph and the two
+    graphs differ (measured on an H100: logits 2e-6 apart at most)."""
     from lingjax.model import kda
     x, p = runs()                                   # the default
     monkeypatch.setattr(kda, "WINDOW_FROM_KERNEL", not kda.WINDOW_FROM_KERNEL)
     q = _run_model(models()[1])
+
+    def same(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(a, b)
+        else:
+            assert rel(a, b) <= 1e-5
     for key in ("decode", "verify", "after"):
-        np.testing.assert_array_equal(q[key], p[key])
+        same(q[key], p[key])
     for a, b in zip(q["states"], p["states"], strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        same(a, b)
     for a, b, c in zip(q["windows"], p["windows"], x["windows"], strict=True):
-        np.testing.assert_array_equal(a, b)
+        same(a, b)
         assert rel(b, c) <= TOL                     # the XLA model's (its projections round differently)
 
 
