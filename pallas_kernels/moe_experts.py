@@ -16,10 +16,12 @@ expert chosen only with weight 0 is not read at all.
 Design
 ------
 * XLA prologue (tiny): the M*k ids of the slots with a nonzero combine weight are deduplicated
-  into ``uniq [U]`` with the static bound U = min(M*k, E) (each expert at its first (token, slot)
-  pair, -1 at repeats and zero-weight slots; sorted and compacted only when M*k > E:
-  `dedupe_experts`), the combine weights become ``wu [U, M]`` (rows of padding slots unused:
-  kernel 2 writes zeros for those slots), x is zero-padded to ``xp [16, D]`` bf16. fp8 block scales are not gathered: each
+  into U = min(M*k, E) slots (static bound; each expert at its first (token, slot) pair, padding
+  slots at repeats and zero-weight slots; sorted and compacted only when M*k > E): one reduction
+  gives the slot table ``[U, M + 2]`` (`dedupe_table`: the combine weights ``wu [U, M]``, rows of
+  padding slots unused: kernel 2 writes zeros for those slots; a repeat count and the expert id,
+  from which each program reads its slot's expert, ``uniq[u]`` below, -1 for padding), x is
+  zero-padded to ``xp [16, D]`` bf16. fp8 block scales are not gathered: each
   program copies its expert's whole scale block (``scale_rows``: the stored [.., IN, OUT] blocks
   flattened, a free reshape for Ling-3.0) to SMEM with one TMA and indexes it there (session 10;
   before, a gather, transpose, pad and concatenation per call: XLA kernels of ~1.5 us each).
@@ -69,8 +71,8 @@ Design
   rows), B = act chunk [16, 128] transposed; writes the per-expert output ``yu [U, D, 16]``
   (bf16, each expert's output rounded once as in the reference; float32 partial sums when F is
   split).
-* Shared expert (``shared=``, optional): one more slot, the last (u = len(uniq): not an entry of
-  uniq), whose programs read the shared expert's own weight and scale arrays ([D, 2, F], [F, D],
+* Shared expert (``shared=``, optional): one more slot, the last (u = U: not a row of the
+  table), whose programs read the shared expert's own weight and scale arrays ([D, 2, F], [F, D],
   its own SwiGLU clamp) and whose combine weight is 1 for every token: the MoE layer's routed and
   shared experts in the same two launches, summed in float32 (the model uses it when the shared
   expert is as wide as a routed one).
@@ -122,9 +124,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (ASYNC_K_MINOR, SCALE_SHIFT, X_TOP_EXP, a_operand, a_regs, f16_rows, load_fp8,
-                                    pow2, store, swizzled)
+                                    pdl_wait, pow2, store, swizzled)
 
-__all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "moe_experts_pallas", "moe_split", "dedupe_experts", "weight_bytes"]
+__all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "moe_experts_pallas", "moe_split", "dedupe_table", "dedupe_experts",
+           "slot_experts", "weight_bytes"]
 
 MAX_M = 16          # tokens per call (decode or a speculative verify block); also the padded N
 BLOCK = 128         # fp8 scale block (both dims) = K chunk of every matmul
@@ -150,47 +153,56 @@ _WG = plgpu.Layout.WGMMA
 
 
 
-def dedupe_experts(idx, w, n_experts: int):
-    """idx [M, k] int32, w [M, k] -> (uniq [U] int32, -1 padded; wu [U, M] float32).
+def dedupe_table(idx, w, n_experts: int):
+    """idx [M, k] int32, w [M, k] -> table [U, M + 2] float32, the kernels' slot list.
 
-    U = min(M*k, n_experts) (static). wu[u, m] = sum of token m's combine weights for uniq[u]
-    where uniq[u] >= 0; rows of padding slots (uniq[u] = -1) are not used (kernel 2 writes zeros
-    for those slots, so any finite weight there combines to 0; on the M*k <= E path they hold
-    the repeated expert's weights, on the others zeros).
+    U = min(M*k, n_experts) (static). Row u is slot u: columns :M its combine weights wu[u, m]
+    (the sum of token m's weights for the slot's expert), column M zero where the slot runs its
+    expert and > 0 where it repeats an earlier slot's, column M + 1 the expert id (-1: none).
+    The slot's expert is ``slot_experts``' rule: the id where column M is 0, else -1 (a padding
+    slot). Rows of padding slots' weights are not used (kernel 2 writes zeros for those slots, so
+    any finite weight there combines to 0; on the M*k <= E path they hold the repeated expert's
+    weights, on the others zeros).
     A (token, slot) whose combine weight is exactly 0 (``expert_keep`` in lingjax/approx.py drops
-    slots that way) does not count: an expert chosen only with weight 0 is not in uniq, so the
+    slots that way) does not count: an expert chosen only with weight 0 is in no slot, so the
     kernels never read it (its contribution, 0 * y, is dropped; y is not computed).
     M*k <= n_experts (every verify block of Ling-3.0-flash): slot u is the u-th (token, slot) pair
-    in token-major order, kept where its expert was not chosen by an earlier pair (-1 where it was,
-    or where its weight is 0): one [M*k, M*k] comparison and one reduction over the pairs giving
-    both the weights and the count of earlier pairs per slot, then a select for uniq; no sort,
-    cumsum or scatter (session 16; those were ~8 us of XLA kernels per MoE layer call; session 25:
-    one reduction instead of two plus a select, deviceless H200 compile). One token (M = 1,
-    every plain decode step) is the same rule without comparisons: the router's k slots of one
-    token name distinct experts (a caller's duplicate slot would be read twice and still combine
-    exactly). Otherwise (more slots than experts: small test models) uniq is the sorted distinct
-    ids, compacted to the front.
+    in token-major order, kept where its expert was not chosen by an earlier pair: one [M*k, M*k]
+    comparison and one reduction over the pairs giving the weights, the count of earlier pairs
+    with the same expert and the pair's own id (the diagonal's term), so the table is that
+    reduction's output and the kernels read it as it is (session 28: the selects that made
+    ``uniq`` before and after it were two more XLA kernels per MoE layer; sessions 16 and 25
+    removed the sort, cumsum and scatter). One token (M = 1, every plain decode step) is the same
+    rule without comparisons: the router's k slots of one token name distinct experts (a caller's
+    duplicate slot would be read twice and still combine exactly). Otherwise (more slots than
+    experts: small test models) the slots hold the sorted distinct ids, compacted to the front.
     """
     M, k = idx.shape
     U = min(M * k, n_experts)
     if M == 1 and k <= n_experts:
         keep = w[0] != 0
-        return (jnp.where(keep, idx[0].astype(jnp.int32), -1)[:U],
-                jnp.where(keep, w[0].astype(_F32), 0.0)[:U, None])
+        return jnp.stack([jnp.where(keep, w[0].astype(_F32), 0.0), jnp.where(keep, 0.0, 1.0),
+                          idx[0].astype(_F32)], axis=1)[:U]
     if M * k <= n_experts:
-        ids = jnp.where(w.reshape(-1) != 0, idx.reshape(-1).astype(jnp.int32), -1)     # [M*k]
+        # (idx and w enter the reduction as they are, no select over them first: XLA fuses them
+        # into it then, where a select's output read for both u and j was one more kernel)
+        ids = idx.reshape(-1).astype(jnp.int32)                                         # [M*k]
+        live = w.reshape(-1) != 0                                                       # [M*k]
         pair = jnp.arange(M * k)
-        same = (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)                     # [u, j]
+        same = (ids[:, None] == ids[None, :]) & live[:, None] & live[None, :]           # [u, j]
         tok = pair // k                                                                 # token of pair j
+        diag = pair[None, :] == pair[:, None]
         # one sum over the pairs j: columns :M token m's weight for expert ids[u] (token m chose it
         # in at most one slot: one nonzero term per (u, m), exact; a select and sum, not a dot,
         # which a GPU may run in TF32), column M the count of earlier pairs with the same expert
+        # (+ 1 for a zero-weight pair: a padding slot), column M + 1 ids[u] (only j = u
+        # contributes; exact in float32 for ids < 2**24)
         hit = same[:, :, None] & (tok[:, None] == jnp.arange(M)[None, :])[None]          # [u, j, m]
+        repeat = (same & (pair[None, :] < pair[:, None])) | (diag & ~live[None, :])
         terms = jnp.concatenate([jnp.where(hit, w.reshape(1, -1, 1).astype(_F32), 0.0),
-                                 jnp.where(same & (pair[None, :] < pair[:, None]), 1.0, 0.0)[:, :, None]], axis=2)
-        sums = jnp.sum(terms, axis=1)                                                   # [u, M + 1]
-        first = (ids >= 0) & (sums[:, M] == 0)
-        return jnp.where(first, ids, -1), sums[:, :M]
+                                 jnp.where(repeat, 1.0, 0.0)[:, :, None],
+                                 jnp.where(diag, ids[None, :].astype(_F32), 0.0)[:, :, None]], axis=2)
+        return jnp.sum(terms, axis=1)                                                   # [u, M + 2]
     flat = jnp.where(w.reshape(-1) != 0, idx.reshape(-1).astype(jnp.int32), n_experts)  # 0: sentinel E
     s = jnp.sort(flat)                                               # sentinels sort last
     new = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]]) & (s < n_experts)
@@ -198,7 +210,27 @@ def dedupe_experts(idx, w, n_experts: int):
     uniq = jnp.full((U,), -1, jnp.int32).at[jnp.where(new, slot, U)].set(s, mode="drop")
     onehot = idx[:, :, None] == uniq[None, None, :]                  # [M, k, U]
     wu = jnp.einsum("mku,mk->um", onehot.astype(_F32), w.astype(_F32))
-    return uniq, wu
+    return jnp.concatenate([wu, jnp.where(uniq >= 0, 0.0, 1.0)[:, None], uniq.astype(_F32)[:, None]], axis=1)
+
+
+def slot_experts(table):
+    """dedupe_table's [U, M + 2] -> each slot's expert [U] int32, -1 for a padding slot (the rule the
+    kernels apply to their slot's row)."""
+    return jnp.where(table[:, -2] == 0, table[:, -1].astype(jnp.int32), -1)
+
+
+def dedupe_experts(idx, w, n_experts: int):
+    """idx [M, k] int32, w [M, k] -> (uniq [U] int32, -1 padded; wu [U, M] float32): `dedupe_table`
+    as the slots' experts and their tokens' combine weights."""
+    table = dedupe_table(idx, w, n_experts)
+    return slot_experts(table), table[:, :idx.shape[0]]
+
+
+def _slot_expert(table_g, row):
+    """In a kernel: slot ``row``'s expert from the GMEM dedupe table (`slot_experts`' rule on one row;
+    a scalar int32, -1 for a padding slot)."""
+    cols = table_g.shape[1]
+    return jnp.where(table_g[row, cols - 2] == 0, table_g[row, cols - 1].astype(jnp.int32), -1)
 
 
 def scale_rows(s, lead: int):
@@ -245,13 +277,14 @@ def _split(programs: int, chunks: int, min_chunks: int, waves: int = 2) -> int:
     return full[0] if full else divs[-1]
 
 
-def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, shared=None, x_scale=None,
+def _gate_up(table, xp, w_gate_up, su_gu, limits, split, stages, interpret, shared=None, x_scale=None,
              fp8_async=False, k_minor=False):
     """Kernel 1 -> act [U, F, MAX_M] bf16 (split == 1), or (split > 1) the partial gate and up
     products [split, U, 2, F, MAX_M] float32 over split ranges of D, summed and SwiGLU'd by the
-    caller (fp8: still to be multiplied by x_scale per token); U = len(uniq) (+ 1 with a shared
-    expert). Rows of padding slots are left unwritten. ``shared`` = (w_shared [D, 2, F], its
-    scale rows or None): one more slot, u = len(uniq), reads it instead of w_gate_up[uniq[u]].
+    caller (fp8: still to be multiplied by x_scale per token); U = len(table) (`dedupe_table`'s
+    slots, + 1 with a shared expert). Rows of padding slots are left unwritten. ``shared`` =
+    (w_shared [D, 2, F], its scale rows or None): one more slot, u = len(table), reads it instead
+    of w_gate_up[uniq[u]] (uniq = `slot_experts(table)`).
 
     bf16 weights (su_gu None): xp [MAX_M, D] bf16, the tiles go to the WGMMA as they land.
     fp8 weights: xp [MAX_M, D] float16, each token row scaled by a power of two (x_scale [MAX_M]
@@ -267,7 +300,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, share
         E, _, F, D = w_gate_up.shape
     else:
         E, D, _, F = w_gate_up.shape
-    n_routed = uniq.shape[0]
+    n_routed = table.shape[0]
     w_shared, s_shared = shared if shared is not None else (None, None)
     shared = w_shared is not None
     U = n_routed + shared
@@ -281,7 +314,8 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, share
 
     wb_tile = fp8 and (not k_minor or interpret)     # an f16 gate / up tile in SMEM
 
-    def moe_gate_up(uniq_g, x_g, w_g, *refs):
+    def moe_gate_up(table_g, x_g, w_g, *refs):
+        pdl_wait(interpret)
         refs = list(refs)
         wsh_g = refs.pop(0) if shared else None
         if fp8:
@@ -295,7 +329,7 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, share
         u = lax.axis_index("u")
         j = lax.axis_index("f")
         p = lax.axis_index("s")
-        e = uniq_g[jnp.minimum(u, n_routed - 1)]          # (the shared slot's is not used)
+        e = _slot_expert(table_g, jnp.minimum(u, n_routed - 1))     # (the shared slot's is not used)
         jb = (j * TF) // BLOCK                             # the column tile's scale block
         cols = pl.ds(j * TF, TF)
         rows = pl.ds(p * ds, ds)
@@ -458,19 +492,19 @@ def _gate_up(uniq, xp, w_gate_up, su_gu, limits, split, stages, interpret, share
         grid_names=("u", "f", "s"),
         interpret=interpret if interpret else None,
     )
-    return kernel(uniq, xp, w_gate_up, *((w_shared,) if shared else ()),
+    return kernel(table, xp, w_gate_up, *((w_shared,) if shared else ()),
                   *((su_gu, x_scale) if fp8 else ()), *((s_shared,) if fp8 and shared else ()))
 
 
-def _down(uniq, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8_async=False, k_minor=False):
+def _down(table, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8_async=False, k_minor=False):
     """Kernel 2: act_t [U, MAX_M, F] bf16 -> yu [split, U, D, MAX_M], the per-expert outputs
     (weighted when the caller weighted act_t: WEIGHTS_IN_ACT) over split ranges of F (zeros for
     padding slots; the caller sums the splits): bfloat16 when split == 1 (each expert's output
     rounded once, as the reference's bf16 einsum does; half the bytes for the combine to read),
-    float32 partial sums otherwise; U = len(uniq) (+ 1 with a
+    float32 partial sums otherwise; U = len(table) (+ 1 with a
     shared expert). su_d: every expert's block scales [F/128, D/128] as `scale_rows` [E, R, C]
     (fp8 weights) or None (bf16 weights). ``shared`` = (w_shared [F, D], its scale rows or None):
-    one more slot, u = len(uniq). ``fp8_async``: each chunk's WGMMA is left in flight while the
+    one more slot, u = len(table). ``fp8_async``: each chunk's WGMMA is left in flight while the
     next chunk dequantises (the same bf16 tile values).
     ``k_minor``: w_down [E, D, F] (w_shared [D, F]); programs own TD_K_MINOR rows of D and (fp8)
     dequantise each [TD_K_MINOR, 128] tile in registers as the WGMMA A operand (no bf16 SMEM tile)."""
@@ -479,7 +513,7 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8_
     else:
         E, F, D = w_down.shape
     td = TD_K_MINOR if k_minor else TD
-    n_routed = uniq.shape[0]
+    n_routed = table.shape[0]
     w_shared, s_shared = shared if shared is not None else (None, None)
     shared = w_shared is not None
     U = n_routed + shared
@@ -492,7 +526,8 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8_
     fs = kps * BLOCK
     wb_tile = fp8 and (not k_minor or interpret)     # a bf16 down tile in SMEM
 
-    def moe_down(uniq_g, act_g, w_g, *refs):
+    def moe_down(table_g, act_g, w_g, *refs):
+        pdl_wait(interpret)
         refs = list(refs)
         wsh_g = refs.pop(0) if shared else None
         if fp8:
@@ -506,7 +541,7 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8_
         u = lax.axis_index("u")
         j = lax.axis_index("d")
         p = lax.axis_index("s")
-        e = uniq_g[jnp.minimum(u, n_routed - 1)]          # (the shared slot's is not used)
+        e = _slot_expert(table_g, jnp.minimum(u, n_routed - 1))     # (the shared slot's is not used)
         db = (j * td) // BLOCK                             # the row tile's scale block
         cols = pl.ds(j * td, td)
         rows = pl.ds(p * fs, fs)
@@ -600,7 +635,7 @@ def _down(uniq, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8_
         grid_names=("u", "d", "s"),
         interpret=interpret if interpret else None,
     )
-    return kernel(uniq, act_t, w_down, *((w_shared,) if shared else ()), *((su_d,) if fp8 else ()),
+    return kernel(table, act_t, w_down, *((w_shared,) if shared else ()), *((su_d,) if fp8 else ()),
                   *((s_shared,) if fp8 and shared else ()))
 
 
@@ -689,8 +724,9 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
         raise ValueError(f"split_d={split_d} must divide D/128={nd} and split_f={split_f} must divide "
                          f"F/128={nf}")
 
-    uniq, wu = dedupe_experts(idx, w, E)                                # [U], [U, M]
-    if shared is not None:   # the kernels' last slot (not in uniq): the shared expert, weight 1
+    table = dedupe_table(idx, w, E)                                     # [U, M + 2]
+    wu = table[:, :M]                                                   # [U, M]
+    if shared is not None:   # the kernels' last slot (not in the table): the shared expert, weight 1
         wu = jnp.concatenate([wu, jnp.ones((1, M), _F32)])              # (fused into the combine)
     x_scale = None
     if fp8:          # kernel 1 multiplies f16 tokens, each row scaled into f16's range
@@ -707,7 +743,7 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
         sh1 = (sh_gu, scale_rows(sh_gu_scale, 0) if fp8 else None)
         sh2 = (sh_d, scale_rows(sh_d_scale, 0) if fp8 else None)
     limits = (limit, limit if shared is None else sh_limit)
-    act = _gate_up(uniq, xp, w_gate_up, su_gu, limits, split_d, stages, interpret, sh1, x_scale, fp8_async,
+    act = _gate_up(table, xp, w_gate_up, su_gu, limits, split_d, stages, interpret, sh1, x_scale, fp8_async,
                    k_minor)
     if split_d > 1:     # [split, U, 2, F, MAX_M] partial sums -> SwiGLU in XLA (one fusion with the transpose)
         gu = act.sum(0) if x_scale is None else act.sum(0) * x_scale
@@ -719,7 +755,7 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     if WEIGHTS_IN_ACT:       # token m's weight for slot u on its activations (fused into the transpose)
         wpad = jnp.zeros((wu.shape[0], MAX_M), _F32).at[:, :M].set(wu)
         act_t = (act_t.astype(_F32) * wpad[:, :, None]).astype(_BF)
-    yu = _down(uniq, act_t, w_down, su_d, split_f, stages, interpret, sh2,
+    yu = _down(table, act_t, w_down, su_d, split_f, stages, interpret, sh2,
                fp8_async, k_minor)                                              # [split, U, D, MAX_M]
     if WEIGHTS_IN_ACT:
         return yu.astype(_F32).sum((0, 1))[:, :M].T.astype(x.dtype)

@@ -132,6 +132,11 @@ def test_dedupe_skips_zero_weight_slots():
     np.testing.assert_array_equal(np.asarray(wu)[kept], np.asarray([[0.1, 0.6], [0.2, 0], [0, 0.5]], F32))
     uniq, wu = dedupe_experts(idx, jnp.zeros_like(w), 16)          # nothing to run at all
     np.testing.assert_array_equal(np.asarray(uniq), [-1] * 6)
+    # an expert first chosen with weight 0 runs at its first pair with a nonzero weight
+    uniq, wu = dedupe_experts(jnp.asarray([[5, 2, 9], [9, 7, 5]], jnp.int32),
+                              jnp.asarray([[0.1, 0.2, 0.0], [0.4, 0.5, 0.6]], F32), 16)
+    np.testing.assert_array_equal(np.asarray(uniq), [5, 2, -1, 9, 7, -1])
+    np.testing.assert_array_equal(np.asarray(wu)[3], np.asarray([0, 0.4], F32))
     uniq, wu = dedupe_experts(jnp.asarray([[3, 1]] * 5, jnp.int32),  # M*k > E, the sorted path
                               jnp.asarray([[0.0, 1.0]] * 5, F32), 4)
     np.testing.assert_array_equal(np.asarray(uniq), [1, -1, -1, -1])
