@@ -16,6 +16,24 @@ E_MIN = -100     # f16_rows' smallest row exponent (2**(X_TOP_EXP - E_MIN) and i
 SCALE_SHIFT = 10
 
 
+# Programmatic dependent launch (PDL; session 28, opt-in until measured). A kernel body that
+# executes griddepcontrol.wait is marked by jax (`uses_pdl`) and launched with programmatic stream
+# serialisation: the GPU may launch it while the kernel before it in the stream finishes, and the
+# wait, the body's first statement, holds its work until that kernel has completed and its writes
+# are visible. Results are unchanged (every read stays after the wait); what may change is the
+# launch gap between a decode step's ~1,300 kernels. Read when a kernel is traced (set it before
+# the first trace: lingjax.model.kernels.shared_call caches traced kernels).
+PDL_WAIT = False
+
+
+def pdl_wait(interpret) -> None:
+    """The first statement of the decode-step kernels' bodies: griddepcontrol.wait when PDL_WAIT
+    is on and the kernel is compiled (interpret mode runs kernels in order anyway and has no such
+    instruction)."""
+    if PDL_WAIT and not interpret:
+        plgpu.griddepcontrol_wait()
+
+
 def swizzled(minor_elems: int, itemsize: int = 2):
     """Tiling + swizzle transforms for a WGMMA operand whose rows hold `minor_elems` elements."""
     sw = min(128, minor_elems * itemsize)

@@ -86,6 +86,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import pdl_wait
+
 __all__ = ["MAX_T", "kda_fused_step_pallas", "pick_block_v"]
 
 MAX_T = 16        # tokens per call: a decode step, a speculative verify block or its commit
@@ -186,6 +188,7 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
     col = plgpu.Layout.WGMMA.reduce(0)              # [bv] vectors, broadcast along rows
 
     def body(*refs):
+        pdl_wait(interpret)
         proj_g, projv_g, win_g, winv_g, cw_g, cwv_g, alog_g, dtb_g, beta_g, n_g, s_g = refs[:11]
         n_out = write_o + state_out + write_window
         outs = refs[11:11 + n_out]

@@ -68,7 +68,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import a_operand, store, swizzled
+from pallas_kernels.common import a_operand, pdl_wait, store, swizzled
 
 __all__ = ["BLOCK_ROWS", "MAX_T", "WARPGROUPS", "combine_splits", "mla_decode_attention_pallas", "pick_block_s",
            "pick_splits", "warpgroups_for"]
@@ -246,6 +246,7 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
             pl.when(r == row_tiles - 1)(lambda: put(last_rows))
 
     def body(ql_g, qr_g, lat_g, kr_g, pos_g, o_g, lse_g):
+        pdl_wait(interpret)
         b, r = lax.axis_index("b"), lax.axis_index("r")
         j, sp = lax.axis_index("c"), lax.axis_index("s")
         rows = pl.ds(r * BLOCK_ROWS, BLOCK_ROWS)
@@ -319,6 +320,7 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
         waits for it before its next `p_ready`, so no barrier completes a phase twice unobserved),
         refills the slot with the chunk after next. Each P / alpha buffer is reused two chunks later,
         after that refill. Then both pass `fin`; warpgroup 0 hands l over (`l_ready`)."""
+        pdl_wait(interpret)
         b, r, sp = lax.axis_index("b"), lax.axis_index("r"), lax.axis_index("s")
         wg = lax.axis_index("wg")
         rows = pl.ds(r * BLOCK_ROWS, BLOCK_ROWS)

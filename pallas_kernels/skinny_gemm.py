@@ -101,7 +101,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (ASYNC_K_MINOR, SCALE_SHIFT, X_TOP_EXP, a_operand, a_regs, f16_rows, load_fp8,
-                                    pow2, store, swizzled)
+                                    pdl_wait, pow2, store, swizzled)
 
 __all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "SkinnyConfig", "skinny_gemm_config", "skinny_gemm_pallas",
            "skinny_gemm_reference", "weight_bytes"]
@@ -340,6 +340,7 @@ def _kernel_call(xp, ws, s_ts, cfg: SkinnyConfig, part_dtype, interpret, fp8_sch
 
     def body(x_g, *refs):
         """Dispatch program jo to its weight: (x, w_0.., [s_0..], part)."""
+        pdl_wait(interpret)
         w_gs, part_g = refs[:nw], refs[-1]
         s_gs = refs[nw:2 * nw] if fp8 else (None,) * nw
         jo = lax.axis_index("n")
