@@ -23,13 +23,31 @@ SCALE_SHIFT = 10
 # are visible. Results are unchanged (every read stays after the wait); what may change is the
 # launch gap between a decode step's ~1,300 kernels. Read when a kernel is traced (set it before
 # the first trace: lingjax.model.kernels.shared_call caches traced kernels).
+# PDL_PREFETCH (with PDL_WAIT): before the wait, the skinny GEMM's programs ask the TMA to bring
+# their first weight tiles into L2 (weights are never written during a step, so reading them before
+# the kernel before has finished is safe), so the time a launched kernel waits is not wasted.
 PDL_WAIT = False
+PDL_PREFETCH = False
 
 
-def pdl_wait(interpret) -> None:
+def pdl_prefetching(interpret) -> bool:
+    """Whether a compiled kernel prefetches its first weight tiles before its PDL wait."""
+    return PDL_WAIT and PDL_PREFETCH and not interpret
+
+
+def pdl_prefetch(refs) -> None:
+    """Prefetch GMEM views into L2 (TMA; no SMEM, no wait)."""
+    for ref in refs:
+        plgpu.async_prefetch(ref)
+
+
+def pdl_wait(interpret, prefetch=()) -> None:
     """The first statement of the decode-step kernels' bodies: griddepcontrol.wait when PDL_WAIT
     is on and the kernel is compiled (interpret mode runs kernels in order anyway and has no such
-    instruction)."""
+    instruction). ``prefetch``: GMEM views of constant inputs (weights) to prefetch into L2 first
+    when `pdl_prefetching`."""
+    if pdl_prefetching(interpret):
+        pdl_prefetch(prefetch)
     if PDL_WAIT and not interpret:
         plgpu.griddepcontrol_wait()
 

@@ -101,7 +101,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (ASYNC_K_MINOR, SCALE_SHIFT, X_TOP_EXP, a_operand, a_regs, f16_rows, load_fp8,
-                                    pdl_wait, pow2, store, swizzled)
+                                    pdl_prefetch, pdl_prefetching, pdl_wait, pow2, store, swizzled)
 
 __all__ = ["MAX_M", "BLOCK", "FP8_SCHEDULES", "SkinnyConfig", "skinny_gemm_config", "skinny_gemm_pallas",
            "skinny_gemm_reference", "weight_bytes"]
@@ -338,12 +338,26 @@ def _kernel_call(xp, ws, s_ts, cfg: SkinnyConfig, part_dtype, interpret, fp8_sch
     inner = {"serial": body_fp8, "pair": body_fp8_pair, "async": body_fp8_async}[fp8_schedule] if fp8 else body_bf16
     nw = len(ws)
 
+    def first_tiles(w_g, j):
+        """GMEM views of program (j, k)'s first weight tiles (those the pipeline loads first)."""
+        s = lax.axis_index("k")
+        cols = pl.ds(j * bn, bn)
+        rows = [pl.ds(s * ks + i * BLOCK, BLOCK) for i in range(min(cfg.stages, kps))]
+        return [w_g.at[cols, r] if k_minor else w_g.at[r, cols] for r in rows]
+
     def body(x_g, *refs):
         """Dispatch program jo to its weight: (x, w_0.., [s_0..], part)."""
-        pdl_wait(interpret)
         w_gs, part_g = refs[:nw], refs[-1]
         s_gs = refs[nw:2 * nw] if fp8 else (None,) * nw
         jo = lax.axis_index("n")
+        if nw == 1:
+            pdl_wait(interpret, first_tiles(w_gs[0], jo))
+        else:
+            if pdl_prefetching(interpret):      # each weight's programs prefetch their own tiles
+                for i in range(nw):
+                    lo, hi = tile_lo[i], tile_lo[i + 1]
+                    pl.when((jo >= lo) & (jo < hi))(lambda i=i, lo=lo: pdl_prefetch(first_tiles(w_gs[i], jo - lo)))
+            pdl_wait(interpret)
         for i in range(nw):
             args = (x_g, w_gs[i]) + ((s_gs[i],) if fp8 else ()) + (part_g,)
             if nw == 1:

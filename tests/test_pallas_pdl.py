@@ -50,3 +50,19 @@ def test_pdl_wait_marks_the_kernel(monkeypatch, build, on):
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert (MARK in text) == on
+
+
+@pytest.mark.parametrize("weights", [1, 2])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["wait", "wait+prefetch"])
+def test_skinny_gemm_prefetches_its_first_tiles_only_when_asked(monkeypatch, weights, prefetch):
+    """PDL_PREFETCH (with PDL_WAIT): the skinny GEMM's programs issue L2 prefetches (TMA) of their
+    first weight tiles before the wait, one weight or several in one launch."""
+    monkeypatch.setattr(common, "PDL_WAIT", True)
+    monkeypatch.setattr(common, "PDL_PREFETCH", prefetch)
+    ws = (S((4096, 2560), FP8), S((1024, 2560), FP8))[:weights]
+    ss = tuple(S((20, w.shape[0] // 128), F32) for w in ws)
+    fn = jax.jit(lambda x, w, s: skinny_gemm_pallas(x, w if weights > 1 else w[0], s if weights > 1 else s[0],
+                                                    k_minor=True))
+    text = fn.trace(S((9, 2560), BF16), ws, ss).lower(lowering_platforms=("cuda",)).as_text()
+    assert MARK in text
+    assert ("cp.async.bulk.prefetch.tensor" in text) == prefetch
