@@ -170,9 +170,9 @@ def dedupe_table(idx, w, n_experts: int):
     in token-major order, kept where its expert was not chosen by an earlier pair: one [M*k, M*k]
     comparison and one reduction over the pairs giving the weights, the count of earlier pairs
     with the same expert and the pair's own id (the diagonal's term), so the table is that
-    reduction's output and the kernels read it as it is (session 28: the selects that made
-    ``uniq`` before and after it were two more XLA kernels per MoE layer; sessions 16 and 25
-    removed the sort, cumsum and scatter). One token (M = 1, every plain decode step) is the same
+    reduction's output and the kernels read it as it is (session 28: the select that made
+    ``uniq`` from it was one more XLA kernel per MoE layer; sessions 16 and 25 removed the sort,
+    cumsum and scatter). One token (M = 1, every plain decode step) is the same
     rule without comparisons: the router's k slots of one token name distinct experts (a caller's
     duplicate slot would be read twice and still combine exactly). Otherwise (more slots than
     experts: small test models) the slots hold the sorted distinct ids, compacted to the front.
@@ -184,24 +184,19 @@ def dedupe_table(idx, w, n_experts: int):
         return jnp.stack([jnp.where(keep, w[0].astype(_F32), 0.0), jnp.where(keep, 0.0, 1.0),
                           idx[0].astype(_F32)], axis=1)[:U]
     if M * k <= n_experts:
-        # (idx and w enter the reduction as they are, no select over them first: XLA fuses them
-        # into it then, where a select's output read for both u and j was one more kernel)
-        ids = idx.reshape(-1).astype(jnp.int32)                                         # [M*k]
-        live = w.reshape(-1) != 0                                                       # [M*k]
+        ids = jnp.where(w.reshape(-1) != 0, idx.reshape(-1).astype(jnp.int32), -1)     # [M*k]
         pair = jnp.arange(M * k)
-        same = (ids[:, None] == ids[None, :]) & live[:, None] & live[None, :]           # [u, j]
+        same = (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)                     # [u, j]
         tok = pair // k                                                                 # token of pair j
-        diag = pair[None, :] == pair[:, None]
         # one sum over the pairs j: columns :M token m's weight for expert ids[u] (token m chose it
         # in at most one slot: one nonzero term per (u, m), exact; a select and sum, not a dot,
-        # which a GPU may run in TF32), column M the count of earlier pairs with the same expert
-        # (+ 1 for a zero-weight pair: a padding slot), column M + 1 ids[u] (only j = u
-        # contributes; exact in float32 for ids < 2**24)
+        # which a GPU may run in TF32), column M the count of earlier pairs with the same expert,
+        # column M + 1 ids[u] (only j = u contributes; -1 for a zero-weight pair; exact in float32)
         hit = same[:, :, None] & (tok[:, None] == jnp.arange(M)[None, :])[None]          # [u, j, m]
-        repeat = (same & (pair[None, :] < pair[:, None])) | (diag & ~live[None, :])
         terms = jnp.concatenate([jnp.where(hit, w.reshape(1, -1, 1).astype(_F32), 0.0),
-                                 jnp.where(repeat, 1.0, 0.0)[:, :, None],
-                                 jnp.where(diag, ids[None, :].astype(_F32), 0.0)[:, :, None]], axis=2)
+                                 jnp.where(same & (pair[None, :] < pair[:, None]), 1.0, 0.0)[:, :, None],
+                                 jnp.where(pair[None, :] == pair[:, None], ids[None, :], 0).astype(_F32)[:, :, None]],
+                                axis=2)
         return jnp.sum(terms, axis=1)                                                   # [u, M + 2]
     flat = jnp.where(w.reshape(-1) != 0, idx.reshape(-1).astype(jnp.int32), n_experts)  # 0: sentinel E
     s = jnp.sort(flat)                                               # sentinels sort last
