@@ -98,7 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compile every row set's programs ahead (as --compile-workers) and exit without "
                          "running: with JAX_COMPILATION_CACHE_DIR set, a later run loads them from the cache")
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
+    ap.add_argument("--pdl", choices=PDL_MODES, default="off",
+                    help="programmatic dependent launch of the Pallas kernels (pallas_kernels/common.py, "
+                         "experimental): 'wait' starts each with griddepcontrol.wait so the GPU may launch it "
+                         "while the kernel before drains; 'prefetch' also has the skinny GEMM prefetch its first "
+                         "weight tiles into L2 before the wait. Results are unchanged; needs a --*-kernel pallas")
     return ap
+
+
+PDL_MODES = ("off", "wait", "prefetch")
 
 
 def _spec_list(text: str) -> list[str]:
@@ -166,6 +174,9 @@ def _check_args(ap, a) -> None:
         ap.error("--mla-kernel pallas reads a bf16 latent cache: use --dtype bf16 or fp8")
     if a.mla_kernel == "pallas" and any(m.fp8_mla_cache for m in a.approx):
         ap.error("--mla-kernel pallas reads a bf16 latent cache, not --approx fp8_mla_cache's fp8 one")
+    if a.pdl != "off" and all(getattr(a, k) == "xla" for k in ("kda_kernel", "moe_kernel", "dense_kernel",
+                                                                  "mla_kernel")):
+        ap.error(f"--pdl {a.pdl} changes how the Pallas kernels launch: give at least one --*-kernel pallas")
     if a.profile_tokens < 2:
         ap.error("--profile-tokens must be >= 2")
     if a.profile_spec is not None and not a.profile:
@@ -272,6 +283,9 @@ def main(argv=None) -> dict:
 
     from lingjax.quant import quantize_model
     from lingjax.model.kernels import check_runnable
+    from pallas_kernels import common as pallas_common
+    pallas_common.PDL_WAIT = a.pdl != "off"            # read when the kernels are traced, below
+    pallas_common.PDL_PREFETCH = a.pdl == "prefetch"
     try:
         check_runnable(dict(kda_kernel=a.kda_kernel, moe_kernel=a.moe_kernel, dense_kernel=a.dense_kernel,
                             mla_kernel=a.mla_kernel), a.mesh)

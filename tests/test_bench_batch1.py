@@ -53,6 +53,8 @@ def test_batch1_smoke(tmp_path, capsys, spec, tau, block, dtype):
     (["--approx", "none", "--approx", "off"], "the same modes twice"),
     (["--approx", "bf16_kda_state", "--approx", "fp16_all"], "unknown approx mode"),
     (["--compile-workers", "0"], "--compile-workers must be >= 1"),
+    (["--pdl", "prefetch"], "give at least one --*-kernel pallas"),
+    (["--pdl", "always"], "invalid choice"),
 ])
 def test_batch1_bad_flags(capsys, extra, msg):
     with pytest.raises(SystemExit) as e:
