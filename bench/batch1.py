@@ -40,6 +40,7 @@ from lingjax.kernel_flags import add_kernel_args
 
 WARMUP_TOKENS = 32      # output tokens of each row's excluded warm-up request
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "ling3-tiny" / "config.json"
+PDL_MODES = ("off", "wait", "prefetch")   # --pdl: pallas_kernels.common.PDL_WAIT / PDL_PREFETCH
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,9 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "while the kernel before drains; 'prefetch' also has the skinny GEMM prefetch its first "
                          "weight tiles into L2 before the wait. Results are unchanged; needs a --*-kernel pallas")
     return ap
-
-
-PDL_MODES = ("off", "wait", "prefetch")
 
 
 def _spec_list(text: str) -> list[str]:

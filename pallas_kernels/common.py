@@ -36,18 +36,16 @@ def pdl_prefetching(interpret) -> bool:
 
 
 def pdl_prefetch(refs) -> None:
-    """Prefetch GMEM views into L2 (TMA; no SMEM, no wait)."""
+    """Prefetch GMEM views of constant inputs (weights) into L2 (TMA; no SMEM, no wait); callers
+    check `pdl_prefetching` first."""
     for ref in refs:
         plgpu.async_prefetch(ref)
 
 
-def pdl_wait(interpret, prefetch=()) -> None:
-    """The first statement of the decode-step kernels' bodies: griddepcontrol.wait when PDL_WAIT
-    is on and the kernel is compiled (interpret mode runs kernels in order anyway and has no such
-    instruction). ``prefetch``: GMEM views of constant inputs (weights) to prefetch into L2 first
-    when `pdl_prefetching`."""
-    if pdl_prefetching(interpret):
-        pdl_prefetch(prefetch)
+def pdl_wait(interpret) -> None:
+    """The first statement of the decode-step kernels' bodies (after `pdl_prefetch`, if any):
+    griddepcontrol.wait when PDL_WAIT is on and the kernel is compiled (interpret mode runs
+    kernels in order anyway and has no such instruction)."""
     if PDL_WAIT and not interpret:
         plgpu.griddepcontrol_wait()
 

@@ -208,10 +208,16 @@ def dedupe_table(idx, w, n_experts: int):
     return jnp.concatenate([wu, jnp.where(uniq >= 0, 0.0, 1.0)[:, None], uniq.astype(_F32)[:, None]], axis=1)
 
 
+def _expert_of(repeats, expert_id):
+    """A slot's expert from its table columns M and M + 1 (arrays, or a kernel's scalars): the id
+    where the slot repeats no earlier one, else -1 (int32)."""
+    return jnp.where(repeats == 0, expert_id.astype(jnp.int32), -1)
+
+
 def slot_experts(table):
     """dedupe_table's [U, M + 2] -> each slot's expert [U] int32, -1 for a padding slot (the rule the
     kernels apply to their slot's row)."""
-    return jnp.where(table[:, -2] == 0, table[:, -1].astype(jnp.int32), -1)
+    return _expert_of(table[:, -2], table[:, -1])
 
 
 def dedupe_experts(idx, w, n_experts: int):
@@ -225,7 +231,7 @@ def _slot_expert(table_g, row):
     """In a kernel: slot ``row``'s expert from the GMEM dedupe table (`slot_experts`' rule on one row;
     a scalar int32, -1 for a padding slot)."""
     cols = table_g.shape[1]
-    return jnp.where(table_g[row, cols - 2] == 0, table_g[row, cols - 1].astype(jnp.int32), -1)
+    return _expert_of(table_g[row, cols - 2], table_g[row, cols - 1])
 
 
 def scale_rows(s, lead: int):

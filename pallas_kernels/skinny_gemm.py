@@ -350,21 +350,19 @@ def _kernel_call(xp, ws, s_ts, cfg: SkinnyConfig, part_dtype, interpret, fp8_sch
         w_gs, part_g = refs[:nw], refs[-1]
         s_gs = refs[nw:2 * nw] if fp8 else (None,) * nw
         jo = lax.axis_index("n")
-        if nw == 1:
-            pdl_wait(interpret, first_tiles(w_gs[0], jo))
-        else:
-            if pdl_prefetching(interpret):      # each weight's programs prefetch their own tiles
-                for i in range(nw):
-                    lo, hi = tile_lo[i], tile_lo[i + 1]
-                    pl.when((jo >= lo) & (jo < hi))(lambda i=i, lo=lo: pdl_prefetch(first_tiles(w_gs[i], jo - lo)))
-            pdl_wait(interpret)
-        for i in range(nw):
-            args = (x_g, w_gs[i]) + ((s_gs[i],) if fp8 else ()) + (part_g,)
+
+        def on_own_weight(fn):
+            """fn(i, j) for the weight i that program jo's column tile belongs to, j its tile there."""
             if nw == 1:
-                inner(*args, jo, jo)
-            else:
+                return fn(0, jo)
+            for i in range(nw):
                 lo, hi = tile_lo[i], tile_lo[i + 1]
-                pl.when((jo >= lo) & (jo < hi))(lambda args=args, lo=lo: inner(*args, jo - lo, jo))
+                pl.when((jo >= lo) & (jo < hi))(lambda i=i, lo=lo: fn(i, jo - lo))
+
+        if pdl_prefetching(interpret):
+            on_own_weight(lambda i, j: pdl_prefetch(first_tiles(w_gs[i], j)))
+        pdl_wait(interpret)
+        on_own_weight(lambda i, j: inner(x_g, w_gs[i], *((s_gs[i],) if fp8 else ()), part_g, j, jo))
 
     kernel = plgpu.kernel(
         body,
