@@ -40,7 +40,8 @@ from lingjax.kernel_flags import add_kernel_args
 
 WARMUP_TOKENS = 32      # output tokens of each row's excluded warm-up request
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "ling3-tiny" / "config.json"
-PDL_MODES = ("off", "wait", "prefetch")   # --pdl: pallas_kernels.common.PDL_WAIT / PDL_PREFETCH
+PDL_MODES = ("off", "wait", "prefetch")
+DRAFT_DTYPES = ("bf16", "fp8")                # --draft-dtype: lingjax.model.dspark.quantize_draft   # --pdl: pallas_kernels.common.PDL_WAIT / PDL_PREFETCH
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--embedded", action="store_true",
                      help="the embedded default model with its trained DSpark draft (natural acceptance; CPU smoke)")
     ap.add_argument("--draft", help="DSpark draft checkpoint directory (--spec dspark with --checkpoint)")
+    ap.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="bf16",
+                    help="the DSpark draft's projections: bf16 as published, or fp8 = block fp8 "
+                         "(lingjax.model.dspark.quantize_draft): half their bytes per step; the output "
+                         "stays the target's (it verifies every draft), only acceptance can change")
     ap.add_argument("--dtype", choices=["bf16", "f32", "fp8"], default="bf16",
                     help="weights: bf16, f32, or fp8 = weight-only block fp8 (128x128 scales, the published "
                          "FP8 format; bf16 activations; needs a converted fp8 checkpoint or --random-weights)")
@@ -147,6 +152,8 @@ def _check_args(ap, a) -> None:
         ap.error("--dtype fp8 needs a converted fp8 checkpoint or --random-weights (the embedded model is not fp8-ready)")
     if a.draft and "dspark" not in a.spec:
         ap.error("--draft is only used with --spec dspark")
+    if a.draft_dtype != "bf16" and "dspark" not in a.spec:
+        ap.error(f"--draft-dtype {a.draft_dtype} is only used with --spec dspark")
     if "dspark" in a.spec and a.checkpoint and not a.draft:
         ap.error("--spec dspark with --checkpoint needs the DSpark draft checkpoint: --draft DIR "
                  "(a random draft is only built for random target weights)")
@@ -279,8 +286,9 @@ def main(argv=None) -> dict:
     from lingjax.sampling import SamplingArrays, SamplingParams
     from lingjax.spec_decode import Decoder, DraftOverride, SpecConfig
 
-    from lingjax.quant import quantize_model
+    from lingjax.model.dspark import quantize_draft
     from lingjax.model.kernels import check_runnable
+    from lingjax.quant import quantize_model
     from pallas_kernels import common as pallas_common
     pallas_common.PDL_WAIT = a.pdl != "off"            # read when the kernels are traced, below
     pallas_common.PDL_PREFETCH = a.pdl == "prefetch"
@@ -356,8 +364,13 @@ def main(argv=None) -> dict:
             if "dspark" in a.spec:
                 from lingjax.model.dspark import DSparkDraft
                 dcfg_r = draft_config_for(cfg, a.block_size)
-                draft = sharding.random_init_sharded(lambda: DSparkDraft(dcfg_r, dtype=dt, rngs=nnx.Rngs(1)),
-                                                     init_mesh, seed=1)
+
+                def build_draft():
+                    d = DSparkDraft(dcfg_r, dtype=dt, rngs=nnx.Rngs(1))
+                    return quantize_draft(d) if a.draft_dtype == "fp8" else d
+                draft = sharding.random_init_sharded(build_draft, init_mesh, seed=1)
+        if draft is not None and a.draft_dtype == "fp8":       # a loaded draft (a random one is built in fp8;
+            quantize_draft(draft)                              # quantize_draft skips what is fp8 already)
         if a.moe_kernel != "xla":       # after any fp8 quantisation: it checks the expert weights
             from lingjax.model.mlp import set_moe_kernel
             set_moe_kernel(target, a.moe_kernel)
@@ -521,7 +534,8 @@ def _record(a, cfg, dec, draft, tau, reqs, wall, copy_bw, copy_bytes, load_s, de
     rb = []
     for r in reqs:   # bytes per step at the request's mean context (input + half the output)
         ctx = a.input_len + r["n_out"] / 2
-        rb.append((roofline.step_bytes(cfg, a.dtype, method, a.block_size, ctx, dcfg), r["steps"]))
+        rb.append((roofline.step_bytes(cfg, a.dtype, method, a.block_size, ctx, dcfg, draft_dtype=a.draft_dtype),
+                   r["steps"]))
     bytes_step = sum(sb.total * n for sb, n in rb) / total_steps
     achieved_bw = bytes_step / step_s
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None

@@ -177,32 +177,40 @@ def mtp_pass(cfg: LingConfig, T: int, context: int, dtype: str = "bf16",
     return w + (2 * d * d) * wb + 3 * d * act + T * d * act, kv
 
 
-def dspark_draft_bytes(dcfg, block: int, context: int, append_rows: int, dtype: str = "bf16") -> float:
+def dspark_draft_bytes(dcfg, block: int, context: int, append_rows: int, dtype: str = "bf16",
+                       proj_dtype: str | None = None) -> float:
     """One DSpark draft step: forward_block on `block` positions over `context` cached positions,
     the greedy Markov chain (markov_w2 read once per chain link), the draft's lm_head pass (the
-    target's lm_head) and append_context of `append_rows` committed rows (fc + k/v projections)."""
+    target's lm_head) and append_context of `append_rows` committed rows (fc + k/v projections).
+    proj_dtype: the dtype of the projections lingjax.model.dspark.quantize_draft can hold in fp8
+    (fc, q / k / v / o, the MLP, markov_w2); default `dtype`. Everything else (norms, lm_head,
+    embedding and markov_w1 rows, the context K/V) is in `dtype`."""
     _, act, _ = _dtypes(dtype)
+    wp = act if proj_dtype in (None, dtype) else _dtypes(proj_dtype)[0]
     d, h, kvh, hd, f = (dcfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads,
                         dcfg.head_dim, dcfg.intermediate_size)
-    attn = d * h * hd + 2 * d * kvh * hd + h * hd * d + 2 * hd          # q, k, v, o, q/k norms
-    layer = attn + 3 * d * f + 2 * d
-    w = dcfg.num_hidden_layers * layer + d                             # layers + final norm
-    w += block * d + d * dcfg.vocab_size                               # embed rows, lm_head (base logits)
+    L = dcfg.num_hidden_layers
+    proj = L * (d * h * hd + 2 * d * kvh * hd + h * hd * d + 3 * d * f)  # q, k, v, o, gate / up / down
+    other = L * (2 * hd + 2 * d) + d                                   # q/k norms, layer norms, final norm
+    other += block * d + d * dcfg.vocab_size                           # embed rows, lm_head (base logits)
     if dcfg.markov_rank:
-        w += block * dcfg.markov_rank + block * dcfg.markov_rank * dcfg.vocab_size
+        other += block * dcfg.markov_rank
+        proj += block * dcfg.markov_rank * dcfg.vocab_size
     if dcfg.enable_confidence_head:
-        w += dcfg.confidence_in_dim + 1
+        other += dcfg.confidence_in_dim + 1
     # append_context: fc, hidden_norm, per layer k/v projections + k_norm
-    w += dcfg.tap_dim * d + d + dcfg.num_hidden_layers * (2 * d * kvh * hd + hd)
+    proj += dcfg.tap_dim * d + L * 2 * d * kvh * hd
+    other += d + L * hd
     kv_row = 2 * kvh * hd                                              # K and V
-    kv = dcfg.num_hidden_layers * kv_row * (context + append_rows)
-    return (w + kv) * act
+    kv = L * kv_row * (context + append_rows)
+    return proj * wp + (other + kv) * act
 
 
 def step_bytes(cfg: LingConfig, dtype: str = "bf16", method: str = "none", block: int = 8, context: int = 0,
-               dcfg=None, experts_per_layer: float | None = None) -> StepBytes:
+               dcfg=None, experts_per_layer: float | None = None, draft_dtype: str = "bf16") -> StepBytes:
     """Bytes of one step of lingjax's decode loop at batch 1 ('none': one token; 'mtp' / 'dspark':
-    draft + verify of block+1 tokens + commit)."""
+    draft + verify of block+1 tokens + commit). draft_dtype 'fp8': the draft's projections in block
+    fp8 (quantize_draft)."""
     if method == "none":
         return target_pass(cfg, 1, context, dtype, experts_per_layer=experts_per_layer)
     T = block + 1
@@ -219,7 +227,8 @@ def step_bytes(cfg: LingConfig, dtype: str = "bf16", method: str = "none", block
     elif method == "dspark":
         if dcfg is None:
             raise ValueError("method 'dspark' needs the draft config (dcfg)")
-        out.draft = dspark_draft_bytes(dcfg, block, context, T, dtype if dtype != "fp8" else "bf16")
+        out.draft = dspark_draft_bytes(dcfg, block, context, T, dtype if dtype != "fp8" else "bf16",
+                                       proj_dtype=None if draft_dtype == "bf16" else draft_dtype)
     else:
         raise ValueError(f"unknown method {method!r}")
     return out
@@ -234,6 +243,8 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--context", type=int, default=8192 + 512)
     ap.add_argument("--dtype", choices=["bf16", "fp8", "f32"], default="bf16")
+    ap.add_argument("--draft-dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="the DSpark draft's projections (fp8: lingjax.model.dspark.quantize_draft)")
     ap.add_argument("--bw-tbps", type=float, default=4.3)
     a = ap.parse_args(argv)
     cfg = preset("ling3-flash")
@@ -241,7 +252,7 @@ def main(argv=None):
         cfg = cfg.replace(num_hidden_layers=a.layers)
     dcfg = dspark_for_ling3_flash().replace(block_size=a.block_size)
     for method in ("none", a.spec) if a.spec != "none" else ("none",):
-        sb = step_bytes(cfg, a.dtype, method, a.block_size, a.context, dcfg)
+        sb = step_bytes(cfg, a.dtype, method, a.block_size, a.context, dcfg, draft_dtype=a.draft_dtype)
         ms = sb.total / (a.bw_tbps * 1e12) * 1e3
         print(f"{method:6s} T={sb.tokens:2d}: weights {sb.weights/1e9:6.2f} GB  state {sb.state/1e6:6.1f} MB  "
               f"kv {sb.kv/1e6:6.1f} MB  draft {sb.draft/1e9:5.2f} GB  experts/layer {sb.experts_per_layer:5.1f}"

@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--spec", choices=["none", "dspark"], default="dspark", help="decoding method (default dspark)")
     ap.add_argument("--block-size", type=int, default=8, help="DSpark block (default 8: a 9-token verify)")
     ap.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8", help="weights (default fp8)")
+    ap.add_argument("--draft-dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="the DSpark draft's projections (fp8: lingjax.model.dspark.quantize_draft)")
     ap.add_argument("--kernels", choices=["pallas", "xla"], default="pallas",
                     help="pallas: every kernel switch on (kda, moe, dense, mla), as the full-depth benchmark "
                          "runs; xla: all off (default pallas)")
@@ -183,6 +185,8 @@ def main(argv=None) -> dict:
         ap.error("--layers and --block-size must be >= 1")
     if a.memory_gib <= 0:
         ap.error(f"--memory-gib must be > 0, got {a.memory_gib}")
+    if a.draft_dtype != "bf16" and a.spec != "dspark":
+        ap.error(f"--draft-dtype {a.draft_dtype} is only used with --spec dspark")
     try:
         cfg_text = (Path(a.target_config).read_text() if a.target_config else
                     H200_TARGET_CONFIG_TEMPLATE.replace("MEMORY_BYTES", str(int(a.memory_gib * 2 ** 30))))
@@ -220,11 +224,15 @@ def main(argv=None) -> dict:
         m = LingModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), kda_kernel=kda_kernel)
         return quantize_model(m) if a.dtype == "fp8" else m
 
+    def concrete_bound_weights(model):
+        for _, m in nnx.iter_modules(model):   # the weights the recorded input bounds read (norms, MLA's
+            for name in getattr(type(m), "BOUND_WEIGHTS", ()):  # kv_b, the draft's markov_w1) concrete, as
+                v = getattr(m, name)                            # the random-weight benchmark has them: only
+                if v is not None:                               # that a bound exists matters to the count
+                    v.set_value(jnp.ones(v.get_value().shape, v.get_value().dtype))
+
     target = nnx.eval_shape(build_target)
-    for _, m in nnx.iter_modules(target):      # the weights the recorded input bounds read (norms, MLA's
-        for name in getattr(type(m), "BOUND_WEIGHTS", ()):      # kv_b) concrete, as the random-weight
-            v = getattr(m, name)                                # benchmark has them: only that a bound
-            v.set_value(jnp.ones(v.get_value().shape, v.get_value().dtype))     # exists matters to the count
+    concrete_bound_weights(target)
     if a.kernels == "pallas":
         set_moe_kernel(target, "pallas")
         set_dense_kernel(target, "pallas")
@@ -233,7 +241,13 @@ def main(argv=None) -> dict:
     if a.spec == "dspark":
         from lingjax.model.dspark import DSparkDraft
         dcfg = draft_config_for(cfg, a.block_size)
-        draft = nnx.eval_shape(lambda: DSparkDraft(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1)))
+        from lingjax.model.dspark import quantize_draft
+
+        def build_draft():
+            d = DSparkDraft(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+            return quantize_draft(d) if a.draft_dtype == "fp8" else d
+        draft = nnx.eval_shape(build_draft)
+        concrete_bound_weights(draft)
     dec = Decoder(target, SpecConfig(a.spec, max(a.block_size, 1)), draft=draft)
 
     def on_device(tree):

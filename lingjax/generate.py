@@ -24,6 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("prompt", nargs="?", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     ap.add_argument("--checkpoint", help="Hugging Face checkpoint dir or a converted one (checkpoints_convert)")
     ap.add_argument("--draft", help="DSpark draft checkpoint dir (HF or converted)")
+    ap.add_argument("--draft-dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="the DSpark draft's projections: bf16 as loaded, or fp8 = block fp8 (half their "
+                         "bytes per step; the output stays the target's, which verifies every draft; "
+                         "only the acceptance can change)")
     ap.add_argument("--spec", choices=["dspark", "mtp", "none"], default=None,
                     help="drafter: dspark (needs a draft), mtp (the target's own NEXTN layer), none; "
                          "default: dspark when a draft is available, else none")
@@ -83,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                              block_size=args.block_size, verify_policy=args.verify_policy,
                              chunk_steps=args.chunk_steps, quiet=args.quiet or args.json, mesh=args.mesh,
                              kda_kernel=args.kda_kernel, moe_kernel=args.moe_kernel,
-                             dense_kernel=args.dense_kernel, mla_kernel=args.mla_kernel, approx=args.approx)
+                             dense_kernel=args.dense_kernel, mla_kernel=args.mla_kernel, approx=args.approx,
+                             draft_dtype=args.draft_dtype)
         if prompt_ids is not None:
             prompt = prompt_ids
         else:

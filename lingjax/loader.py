@@ -17,6 +17,7 @@ from lingjax.model.kda import check_kda_kernel, set_kda_kernel
 from lingjax.model.mlp import check_moe_kernel, set_moe_kernel
 from lingjax.spec_decode import SpecConfig
 
+DRAFT_DTYPES = ("bf16", "fp8")         # load_engine(draft_dtype=): lingjax.model.dspark.quantize_draft
 DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "float64": jnp.float64}
 
 
@@ -45,7 +46,7 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
                 chunk_steps: int = 16, max_context: int | None = None, quiet: bool = False,
                 mesh: str | None = None, kda_kernel: str = "xla", moe_kernel: str = "xla",
                 dense_kernel: str = "xla", mla_kernel: str = "xla",
-                approx: str | ApproxModes | None = None) -> Engine:
+                approx: str | ApproxModes | None = None, draft_dtype: str = "bf16") -> Engine:
     """checkpoint None = the embedded default model (and its draft unless `draft` is given).
 
     mesh: 'tp=N[,ep=M]' (lingjax.sharding.parse_mesh) to split the target and draft over N*M
@@ -60,9 +61,14 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
     calls of <= 16 tokens; a bfloat16 model without fp8_mla_cache, NVIDIA Hopper GPU only), see
     lingjax/model/mla.py.
     approx: approximate speed modes, an ApproxModes or its text form ('expert_keep=0.75,bf16_router_head,
-    bf16_kda_state,fp8_mla_cache'; lingjax/approx.py); None = every mode off (exact)."""
+    bf16_kda_state,fp8_mla_cache'; lingjax/approx.py); None = every mode off (exact).
+    draft_dtype: 'bf16' (the draft's projections as loaded) | 'fp8' (held in block fp8,
+    lingjax.model.dspark.quantize_draft: half their bytes per step; the output stays the target's,
+    which verifies every draft; only the acceptance can change)."""
     if dtype not in DTYPES:
         raise LoadError(f"unknown dtype {dtype!r}; choose from bfloat16, float32, float64")
+    if draft_dtype not in DRAFT_DTYPES:
+        raise LoadError(f"unknown draft dtype {draft_dtype!r}; choose from {', '.join(DRAFT_DTYPES)}")
     jdtype = DTYPES[dtype]
     try:
         check_kda_kernel(kda_kernel, dtype=jdtype)
@@ -108,6 +114,13 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
     if draft is not None:
         _log(f"loading draft {draft} ...", quiet)
         drafter = load_draft(draft, jdtype)
+    method = spec or ("dspark" if drafter is not None else "none")
+    if draft_dtype != "bf16":           # before any sharding: the fp8 values are then split like the weights
+        if method != "dspark" or drafter is None:
+            raise LoadError(f"--draft-dtype {draft_dtype} applies to a DSpark draft; this engine runs --spec "
+                            f"{method}" + ("" if drafter is not None else " without a draft (--draft DIR)"))
+        from lingjax.model.dspark import quantize_draft
+        quantize_draft(drafter)
     if mesh is not None:
         from lingjax import sharding
         tp, ep = sharding.parse_mesh(mesh)
@@ -116,7 +129,6 @@ def load_engine(checkpoint: str | Path | None = None, draft: str | Path | None =
         if drafter is not None:
             sharding.shard_model(drafter, m)
         _log(f"sharded over mesh tp={tp} x ep={ep}", quiet)
-    method = spec or ("dspark" if drafter is not None else "none")
     if method == "dspark" and drafter is None:
         raise LoadError("--spec dspark needs a draft: pass --draft DIR (DSpark checkpoint)")
     default_block = drafter.cfg.block_size if (method == "dspark" and drafter is not None) else 3

@@ -22,6 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--checkpoint", help="Hugging Face checkpoint dir or a converted one (default: the embedded model)")
     ap.add_argument("--draft", help="DSpark draft checkpoint dir (HF or converted)")
+    ap.add_argument("--draft-dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="the DSpark draft's projections: bf16 as loaded, or fp8 = block fp8 (half their "
+                         "bytes per step; the output stays the target's, which verifies every draft; "
+                         "only the acceptance can change)")
     ap.add_argument("--spec", choices=["dspark", "mtp", "none"], default=None,
                     help="drafter; default: dspark when a draft is available, else none")
     ap.add_argument("--block-size", type=int, default=None, help="drafts per speculative step")
@@ -74,7 +78,8 @@ def engine_factory(args):
                              block_size=args.block_size, verify_policy=args.verify_policy,
                              chunk_steps=args.chunk_steps, max_context=args.max_context, mesh=args.mesh,
                              kda_kernel=args.kda_kernel, moe_kernel=args.moe_kernel,
-                             dense_kernel=args.dense_kernel, mla_kernel=args.mla_kernel, approx=args.approx)
+                             dense_kernel=args.dense_kernel, mla_kernel=args.mla_kernel, approx=args.approx,
+                             draft_dtype=args.draft_dtype)
         tok = None
         if args.tokenizer_byte_level:
             from serve.testing import byte_level_tokenizer

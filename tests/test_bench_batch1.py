@@ -55,6 +55,8 @@ def test_batch1_smoke(tmp_path, capsys, spec, tau, block, dtype):
     (["--compile-workers", "0"], "--compile-workers must be >= 1"),
     (["--pdl", "prefetch"], "give at least one --*-kernel pallas"),
     (["--pdl", "always"], "invalid choice"),
+    (["--spec", "none", "--draft-dtype", "fp8"], "only used with --spec dspark"),
+    (["--spec", "dspark", "--draft-dtype", "fp4"], "invalid choice"),
 ])
 def test_batch1_bad_flags(capsys, extra, msg):
     with pytest.raises(SystemExit) as e:
@@ -152,6 +154,21 @@ def test_batch1_embedded_model_smoke(tmp_path):
     assert all(r["total_output_tokens"] == 24 for r in (none, dspark))
 
 
+def test_batch1_fp8_draft(tmp_path):
+    """--draft-dtype fp8: the random draft is built with its projections in block fp8, the run
+    completes, and the roofline counts those projections' bytes as fp8 (less than a bf16 draft's)."""
+    from lingjax.config import LingConfig
+    rec = batch1.main(BASE + ["--spec", "dspark", "--forced-accept", "3", "--draft-dtype", "fp8", "--out", str(tmp_path)])
+    row = rec                                               # one row: the record itself
+    assert row["flags"]["draft_dtype"] == "fp8" and row["accept_length"] > 1.0
+    cfg = LingConfig.from_json(batch1.TINY_CONFIG).replace(num_hidden_layers=4)
+    dcfg = batch1.draft_config_for(cfg, 8)
+    ctx = 32 + 16 / 2                                       # input + half the output
+    fp8 = roofline.step_bytes(cfg, "bf16", "dspark", 8, ctx, dcfg, draft_dtype="fp8").draft
+    bf16 = roofline.step_bytes(cfg, "bf16", "dspark", 8, ctx, dcfg).draft
+    assert row["roofline"]["bytes_breakdown"]["draft"] == pytest.approx(fp8) and fp8 < bf16
+
+
 def test_batch1_fp8_needs_an_fp8_ready_checkpoint(capsys):
     with pytest.raises(SystemExit) as e:
         batch1.main(["--checkpoint", str(LING_TINY), "--dtype", "fp8", "--input-len", "32", "--output-len", "8", "--no-xla-defaults"])
@@ -191,6 +208,12 @@ def test_roofline_flash_numbers():
     assert spec.tokens == 9 and spec.total > one.total and spec.draft > 0
     half = roofline.step_bytes(cfg.replace(num_hidden_layers=21), "bf16", "none", context=9216)
     assert half.weights < 0.6 * one.weights
+    # the draft's projections in fp8 (quantize_draft): 1.17 GB of bf16 layer / fc / context k-v
+    # weights and 8 x 80 MB of markov_w2 reads, halved; the target's part is unchanged
+    spec8 = roofline.step_bytes(cfg, "fp8", "dspark", 8, 9216, batch1.draft_config_for(cfg, 8), draft_dtype="fp8")
+    spec16 = roofline.step_bytes(cfg, "fp8", "dspark", 8, 9216, batch1.draft_config_for(cfg, 8))
+    assert spec8.weights == spec16.weights and spec16.draft == spec.draft
+    assert 0.88e9 < spec16.draft - spec8.draft < 0.93e9
 
 
 def test_mesh_random_weights_created_in_shards(tmp_path):

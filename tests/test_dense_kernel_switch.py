@@ -36,7 +36,7 @@ from lingjax.generate import build_parser
 from lingjax.loader import LoadError, load_engine
 from lingjax.model import dense
 from lingjax.model.dense import dense_kernel_plan, set_dense_kernel
-from lingjax.model.dspark import DSparkDraft
+from lingjax.model.dspark import DSparkDraft, draft_projections, quantize_draft
 from lingjax.model.kernels import pallas_cross_lowering
 from lingjax.model.ling import LingModel
 from lingjax.param_layout import Matrix
@@ -143,13 +143,17 @@ def _draft(seed: int = 5):
     return draft
 
 
-def test_dspark_draft_follows_the_target_switch():
+@pytest.mark.parametrize("fp8_draft", [False, True], ids=["bf16_draft", "fp8_draft"])
+def test_dspark_draft_follows_the_target_switch(fp8_draft):
     """The Decoder gives a DSpark draft its target's dense_kernel: every draft projection but the
     1-wide confidence head runs on the skinny GEMM, and the draft's base logits are the target's
     lm_head on the kernel. Its proposals (context append, block pass, Markov chain) match the XLA
-    draft's: the same tokens, corrected logits within TOL."""
+    draft's: the same tokens, corrected logits within TOL. fp8_draft: the draft's projections held
+    in block fp8 (quantize_draft), on the kernel's fp8 path with the norms' and markov_w1's bounds
+    as x_bound (the XLA draft dequantises the same fp8 weights)."""
     xla_t, pal_t = models("bf16_weights")
-    draft = _draft()
+    draft = quantize_draft(_draft()) if fp8_draft else _draft()
+    assert isinstance(draft.layers[0].self_attn.o_proj.weight, Fp8Weight) == fp8_draft
     Decoder(xla_t, SpecConfig("dspark", 8), draft=draft)
     assert all(v == "dense_kernel='xla'" for v in dense_kernel_plan(draft).values())
     pal_d = nnx.clone(draft)
@@ -157,6 +161,7 @@ def test_dspark_draft_follows_the_target_switch():
     plan = dense_kernel_plan(pal_d)
     assert {k for k, v in plan.items() if v is not None} == {"conf_proj.weight"}, plan
     assert len(plan) == 10          # fc, q/k/v, o, gate/up/down, markov_w2, conf_proj
+    assert (pal_d.markov_bound is not None and pal_d.layers[0].input_layernorm.bound is not None)
     rng = np.random.default_rng(0)
     taps = jnp.asarray(rng.normal(size=(1, 9, draft.cfg.tap_dim)), F32)
     embeds = jnp.asarray(rng.normal(size=(1, 8, CFG.hidden_size)), F32)
@@ -238,6 +243,20 @@ def test_every_projection_uses_the_kernel_at_flash_shapes(fp8):
     assert isinstance(model.layers[0].attn.w_in, Fp8Weight) == fp8
     built = nnx.eval_shape(lambda: LingModel(cfg, dtype=BF16, with_mtp=True, dense_kernel="pallas"))
     assert dense_kernel_plan(built) == plan
+
+
+def test_fp8_draft_at_flash_shapes():
+    """The published Ling-3.0-flash draft (abstract) in block fp8: every projection the skinny GEMM
+    streams (fc, 5 x q / k / v / o / gate / up / down, markov_w2) is an Fp8Weight on the kernel."""
+    from bench.batch1 import draft_config_for
+    dcfg = draft_config_for(preset("ling3-flash"), 8)
+    draft = nnx.eval_shape(lambda: quantize_draft(DSparkDraft(dcfg, dtype=BF16, rngs=nnx.Rngs(1))))
+    plan = dense_kernel_plan(set_dense_kernel(draft, "pallas"))
+    assert {k: v for k, v in plan.items() if v is not None} == {"conf_proj.weight": "N=1 is not a multiple of 64"}
+    assert len(plan) == 38
+    fp8 = [m for m, _ in draft_projections(draft)]
+    assert len(fp8) == 37 and all(isinstance(m.weight, Fp8Weight) for m in fp8)
+    assert fp8[4].weight.view == Matrix((), (0, 1), (2,))       # o_proj [heads, head_dim, hidden]
 
 
 def test_fp8_operands_are_the_block_grid():

@@ -38,7 +38,8 @@ from hypothesis import strategies as st
 from conftest import DSPARK_TINY
 from helpers import golden, golden_model, random_model, tiny_config
 from lingjax.dspark_config import DSparkConfig, DSparkConfigError
-from lingjax.model.dspark import DSparkDraft, from_safetensors
+from lingjax.model.dspark import DSparkDraft, draft_projections, from_safetensors, quantize_draft
+from lingjax.quant import Fp8Weight
 from lingjax.sampling import SamplingArrays, SamplingParams
 from lingjax.spec_decode import FINISH_LENGTH, FINISH_RUNNING, FINISH_STOP, Decoder, DraftOverride, SpecConfig
 
@@ -227,6 +228,24 @@ def test_dspark_greedy_equals_plain_golden(n, t):
     st_ = generate(dec, case.prompt(t), override=case.override("random"))
     assert int(st_.accepted) <= 2            # random ids out of 512 are (almost) never accepted
     assert int(st_.drafted) == n * int(st_.steps)
+
+
+def test_fp8_draft_greedy_equals_plain_golden():
+    """A draft held in block fp8 (quantize_draft: its 7 projections per layer, fc and markov_w2;
+    not the 1-wide confidence head) proposes differently, but the target verifies every proposal:
+    the output is still plain greedy's, token for token. (The golden draft's random weights get no
+    proposal accepted in float64 either; the embedded model's trained draft measures acceptance:
+    docs/PERFORMANCE.md, session 29.)"""
+    case = gold()
+    fp8 = quantize_draft(nnx.clone(case.draft))
+    assert all(isinstance(m.weight, Fp8Weight) for m, _ in draft_projections(fp8))
+    assert len(draft_projections(fp8)) == 1 + 7 * fp8.cfg.num_hidden_layers + (fp8.markov_w2 is not None)
+    assert not isinstance(fp8.conf_proj.weight, Fp8Weight)
+    dec = make_decoder(case.model, fp8, "dspark", 8)
+    for t in (15, 33):
+        st_ = generate(dec, case.prompt(t))
+        assert_same(tokens(st_), case.expected(t), f"fp8 draft, prompt {t}")
+        assert int(st_.finish) == FINISH_LENGTH
 
 
 def test_mtp_greedy_equals_plain_golden():

@@ -25,6 +25,8 @@ from flax import nnx
 from lingjax.dspark_config import DSparkConfig, DSparkConfigError
 from lingjax.model import dense
 from lingjax.model.common import RMSNorm, acc_dtype, apply_rope, param, rope_cos_sin
+from lingjax.param_layout import Matrix
+from lingjax.quant import DEFAULT_BLOCK, Fp8Weight, quantize
 from lingjax.sampling import filter_logits
 
 
@@ -67,10 +69,11 @@ class Linear(nnx.Module):
         std = std if std is not None else 1.0 / math.sqrt(in_features)
         self.weight = param(rngs, (in_features, *out_shape), logical, dtype, std=std)
 
-    def __call__(self, x):
-        """x [..., in] -> [..., *out] in the weight's dtype."""
+    def __call__(self, x, x_bound: float | None = None):
+        """x [..., in] -> [..., *out] in the weight's dtype. x_bound: optional static bound on |x|
+        (the RMSNorm before it), which spares an fp8 weight's kernel call a reduction over x."""
         if dense.uses_kernel(self, "weight", math.prod(x.shape[:-1])):
-            return dense.dense_matmul(x.astype(self.weight.dtype), self.weight)
+            return dense.dense_matmul(x.astype(self.weight.dtype), self.weight, x_bound=x_bound)
         w = self.weight[...]
         return jnp.tensordot(x.astype(w.dtype), w, axes=1)
 
@@ -82,17 +85,18 @@ class Linear(nnx.Module):
 FUSED_LINEARS = True
 
 
-def linears(x, *modules: Linear):
+def linears(x, *modules: Linear, x_bound: float | None = None):
     """(m(x) for m in modules): Linears of one input. When every one of them runs on the skinny GEMM
     for this call and their weights are of one kind (type and dtype), all of them in ONE launch
     (dense.dense_matmul_multi: each Linear's own product up to float32 summation order); otherwise
-    each as its own call."""
+    each as its own call. x_bound: as for Linear."""
     tokens = math.prod(x.shape[:-1])
     kinds = {(type(m.weight), dense.compute_dtype(m.weight)) for m in modules}   # Param / Fp8Weight
     if FUSED_LINEARS and len(modules) > 1 and len(kinds) == 1 and all(
             dense.uses_kernel(m, "weight", tokens) for m in modules):
-        return dense.dense_matmul_multi(x.astype(modules[0].weight.dtype), [m.weight for m in modules])
-    return tuple(m(x) for m in modules)
+        return dense.dense_matmul_multi(x.astype(modules[0].weight.dtype), [m.weight for m in modules],
+                                        x_bound=x_bound)
+    return tuple(m(x, x_bound) for m in modules)
 
 
 class HeadsOut(nnx.Module):
@@ -123,19 +127,20 @@ class DSparkAttention(nnx.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, logical=("head_dim",))
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, logical=("head_dim",))
 
-    def context_kv(self, ctx, cos, sin):
-        """ctx [B, n, hidden] -> K (normed, roped), V: [B, n, kv_heads, head_dim]."""
-        k, v = linears(ctx, self.k_proj, self.v_proj)
+    def context_kv(self, ctx, cos, sin, x_bound: float | None = None):
+        """ctx [B, n, hidden] -> K (normed, roped), V: [B, n, kv_heads, head_dim]. x_bound: as for
+        Linear (the draft's hidden_norm)."""
+        k, v = linears(ctx, self.k_proj, self.v_proj, x_bound=x_bound)
         return apply_rope(self.k_norm(k), cos[:, :, None, :], sin[:, :, None, :], interleaved=False), v
 
-    def __call__(self, x, k_ctx, v_ctx, ctx_valid, cos, sin):
-        """x [B, Bk, hidden] (after input_layernorm); k_ctx/v_ctx [B, M, kvh, d];
+    def __call__(self, x, k_ctx, v_ctx, ctx_valid, cos, sin, x_bound: float | None = None):
+        """x [B, Bk, hidden] (after input_layernorm, whose bound is x_bound); k_ctx/v_ctx [B, M, kvh, d];
         ctx_valid [B, M] bool; cos/sin [B, Bk, d]."""
         b, bk, _ = x.shape
         kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         acc = acc_dtype(x.dtype)
         cs, sn = cos[:, :, None, :], sin[:, :, None, :]
-        q, k_blk, v_blk = linears(x, self.q_proj, self.k_proj, self.v_proj)
+        q, k_blk, v_blk = linears(x, self.q_proj, self.k_proj, self.v_proj, x_bound=x_bound)
         q = apply_rope(self.q_norm(q), cs, sn, interleaved=False)                   # [B,Bk,H,d]
         k_blk = apply_rope(self.k_norm(k_blk), cs, sn, interleaved=False)           # [B,Bk,kvh,d]
         q = q.reshape(b, bk, kvh, g, d)
@@ -161,8 +166,8 @@ class DSparkMLP(nnx.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, ("embed", "mlp"), dtype=dtype, rngs=rngs)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, ("mlp", "embed"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
-        gate, up = linears(x, self.gate_proj, self.up_proj)
+    def __call__(self, x, x_bound: float | None = None):
+        gate, up = linears(x, self.gate_proj, self.up_proj, x_bound=x_bound)
         return self.down_proj(jax.nn.silu(gate) * up)
 
 
@@ -174,12 +179,14 @@ class DSparkLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def __call__(self, x, k_ctx, v_ctx, ctx_valid, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), k_ctx, v_ctx, ctx_valid, cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(self.input_layernorm(x), k_ctx, v_ctx, ctx_valid, cos, sin,
+                               x_bound=self.input_layernorm.bound)
+        return x + self.mlp(self.post_attention_layernorm(x), x_bound=self.post_attention_layernorm.bound)
 
 
 class DSparkDraft(nnx.Module):
     """The DSpark draft. It has no embedding / lm_head of its own: callers pass the target's."""
+    BOUND_WEIGHTS = ("markov_w1",)  # what record_bounds reads (the norms record their own)
 
     def __init__(self, cfg: DSparkConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
         cfg.validate()
@@ -202,6 +209,17 @@ class DSparkDraft(nnx.Module):
         else:
             self.conf_proj = None
             self.conf_bias = None
+        self.markov_bound = None    # static bound on markov_w2's input rows (record_bounds)
+
+    def record_bounds(self):
+        """Record ``markov_bound`` = 2 max |markov_w1| (the chain's markov_w2 input rows are rows of
+        markov_w1; 2x covers their rounding to bf16), the fp8 markov_w2 call's x_bound
+        (lingjax.model.common.record_input_bounds); None for an abstract weight or no Markov head."""
+        w1 = None if self.markov_w1 is None else self.markov_w1.get_value()
+        if w1 is None or isinstance(w1, (jax.ShapeDtypeStruct, jax.core.Tracer)):
+            self.markov_bound = None
+        else:
+            self.markov_bound = float(2.0 * np.max(np.abs(np.asarray(w1, np.float32)))) if w1.size else 0.0
 
     # ---- context cache ----------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, *, per_row: bool = False) -> DSparkCache:
@@ -233,7 +251,7 @@ class DSparkDraft(nnx.Module):
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, n))
         ks, vs = [], []
         for layer, kc, vc in zip(self.layers, cache.k, cache.v):
-            k, v = layer.self_attn.context_kv(ctx, cos, sin)
+            k, v = layer.self_attn.context_kv(ctx, cos, sin, x_bound=self.hidden_norm.bound)
             ks.append(kc.at[rows, pos].set(k.astype(kc.dtype), mode="drop"))
             vs.append(vc.at[rows, pos].set(v.astype(vc.dtype), mode="drop"))
         count = n if count is None else jnp.asarray(count, jnp.int32)
@@ -282,7 +300,7 @@ class DSparkDraft(nnx.Module):
             if w1 is not None:
                 e = jnp.take(w1, prev, axis=0)                            # [B, r]
                 if w2_kernel:           # the skinny GEMM (dense_kernel='pallas'), float32 products
-                    corr = u + dense.dense_matmul(e, self.markov_w2.weight, out_dtype=acc)
+                    corr = u + dense.dense_matmul(e, self.markov_w2.weight, out_dtype=acc, x_bound=self.markov_bound)
                 else:
                     corr = u + jnp.dot(e, w2, preferred_element_type=acc).astype(acc)
             else:
@@ -368,6 +386,46 @@ def draft_weight_map(model: DSparkDraft) -> dict[str, tuple[nnx.Param, str]]:
         m["confidence_head.proj.weight"] = (model.conf_proj.weight, "T")
         m["confidence_head.proj.bias"] = (model.conf_bias, "")
     return m
+
+
+def draft_projections(model: DSparkDraft) -> list[tuple[nnx.Module, Matrix]]:
+    """(module, matrix view of its ``weight``) of every draft projection `quantize_draft` holds in
+    fp8: fc, each layer's q / k / v / o and gate / up / down, and markov_w2 -- what the skinny GEMM
+    streams. Not the confidence head (one output column) nor markov_w1 (a table the chain gathers
+    rows of)."""
+    mods: list[nnx.Module] = [model.fc]
+    for layer in model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        mods += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    if model.markov_w2 is not None:
+        mods.append(model.markov_w2)
+    views = []
+    for m in mods:
+        nd, k = len(m.weight.shape), dict(type(m).DENSE_WEIGHTS)["weight"]   # [in..., out...]: k in axes
+        views.append((m, Matrix((), tuple(range(k)), tuple(range(k, nd)))))
+    return views
+
+
+def quantize_draft(model: DSparkDraft, block=DEFAULT_BLOCK) -> DSparkDraft:
+    """Hold the draft's projections (`draft_projections`) as block fp8 (lingjax.quant: e4m3 values,
+    one float32 scale per 128 x 128 block, the published recipe), in place; returns `model`.
+
+    The draft only proposes tokens: the target verifies every one of them, so the output is the
+    target's whatever the draft's weights (greedy: the same tokens; sampling: the same distribution,
+    lossless rejection sampling). What changes is how many proposals are accepted, and the step's
+    weight bytes: at the published draft's shape (5 layers, hidden 2560) the projections are ~1.17 GB
+    of bf16 per verify step, plus eight markov_w2 reads of 80 MB, halved in fp8. Call it before
+    the draft meets a Decoder (which records the dense kernel's weights and input bounds). Works on
+    concrete models and inside nnx.eval_shape."""
+    from lingjax.sharding import variable_logical
+    for m, view in draft_projections(model):
+        w = m.weight
+        if isinstance(w, Fp8Weight):
+            continue
+        values, scale = quantize(w.get_value(), view, block)
+        m.weight = Fp8Weight(values, scale, view=view, block=block, dtype=w.get_value().dtype,
+                             logical=variable_logical(w))
+    return model
 
 
 _IGNORED = ("embed_tokens.weight", "lm_head.weight", "word_embeddings.weight")
