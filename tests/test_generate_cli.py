@@ -34,8 +34,9 @@ def test_spec_methods_give_identical_greedy_tokens():
     again = gen_json("--spec", "none")
     assert plain["token_ids"] == again["token_ids"]           # greedy is deterministic
     dspark = gen_json("--draft", str(DSPARK_TINY), "--spec", "dspark")
+    fp8_draft = gen_json("--draft", str(DSPARK_TINY), "--spec", "dspark", "--draft-dtype", "fp8")
     mtp = gen_json("--spec", "mtp", "--block-size", "2")
-    assert dspark["token_ids"] == plain["token_ids"] == mtp["token_ids"]
+    assert dspark["token_ids"] == plain["token_ids"] == mtp["token_ids"] == fp8_draft["token_ids"]
     assert len(plain["token_ids"]) == 12 and plain["finish_reason"] == "length"
     st = dspark["stats"]
     assert st["steps"] >= 1 and st["drafted"] >= st["accepted"] >= 0
@@ -71,6 +72,7 @@ def test_bad_flags_exit_2(args, needle):
     (["--checkpoint", str(LING_TINY), "--prompt-ids", "1,99999"], "out of range"),
     (["--checkpoint", str(LING_TINY), "--draft", str(DSPARK_TINY), "--block-size", "16", "--prompt-ids", "1"],
      "larger than the draft"),
+    (["--checkpoint", str(LING_TINY), "--draft-dtype", "fp8", "--prompt-ids", "1,2"], "applies to a DSpark draft"),
 ])
 def test_bad_inputs_clear_errors(args, needle):
     r = run_cli(*args, "--quiet")
