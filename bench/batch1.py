@@ -40,8 +40,8 @@ from lingjax.kernel_flags import add_kernel_args
 
 WARMUP_TOKENS = 32      # output tokens of each row's excluded warm-up request
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "ling3-tiny" / "config.json"
-PDL_MODES = ("off", "wait", "prefetch")
-DRAFT_DTYPES = ("bf16", "fp8")                # --draft-dtype: lingjax.model.dspark.quantize_draft   # --pdl: pallas_kernels.common.PDL_WAIT / PDL_PREFETCH
+PDL_MODES = ("off", "wait", "prefetch")   # --pdl: pallas_kernels.common.PDL_WAIT / PDL_PREFETCH
+DRAFT_DTYPES = ("bf16", "fp8")            # --draft-dtype: lingjax.model.dspark.quantize_draft
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -239,9 +239,8 @@ def main(argv=None) -> dict:
         set_mla_kernel(target, "pallas")
     draft = None
     if a.spec == "dspark":
-        from lingjax.model.dspark import DSparkDraft
+        from lingjax.model.dspark import DSparkDraft, quantize_draft
         dcfg = draft_config_for(cfg, a.block_size)
-        from lingjax.model.dspark import quantize_draft
 
         def build_draft():
             d = DSparkDraft(dcfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))

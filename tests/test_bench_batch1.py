@@ -158,7 +158,8 @@ def test_batch1_fp8_draft(tmp_path):
     """--draft-dtype fp8: the random draft is built with its projections in block fp8, the run
     completes, and the roofline counts those projections' bytes as fp8 (less than a bf16 draft's)."""
     from lingjax.config import LingConfig
-    rec = batch1.main(BASE + ["--spec", "dspark", "--forced-accept", "3", "--draft-dtype", "fp8", "--out", str(tmp_path)])
+    rec = batch1.main(BASE + ["--spec", "dspark", "--forced-accept", "3", "--draft-dtype", "fp8",
+                              "--out", str(tmp_path)])
     row = rec                                               # one row: the record itself
     assert row["flags"]["draft_dtype"] == "fp8" and row["accept_length"] > 1.0
     cfg = LingConfig.from_json(batch1.TINY_CONFIG).replace(num_hidden_layers=4)
