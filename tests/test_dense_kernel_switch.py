@@ -257,6 +257,25 @@ def test_fp8_draft_at_flash_shapes():
     fp8 = [m for m, _ in draft_projections(draft)]
     assert len(fp8) == 37 and all(isinstance(m.weight, Fp8Weight) for m in fp8)
     assert fp8[4].weight.view == Matrix((), (0, 1), (2,))       # o_proj [heads, head_dim, hidden]
+    # one draft pass (context append of 6 rows, the 8-token block, the greedy Markov chain) emitted
+    # for CUDA: every fp8 projection call lowers at these shapes (K-major fp8 tiles, markov_w2's
+    # K = 256); the base logits take an XLA lm_head here. Lowering only: ptxas is not involved.
+    graphdef, state = nnx.split(draft)
+    S = jax.ShapeDtypeStruct
+
+    def draft_pass(state, taps, embeds, lm_head):
+        d = nnx.merge(graphdef, state)
+        cache = d.append_context(d.init_cache(1, 64), taps, 0)
+        hidden = d.forward_block(cache, embeds, 6)
+        return d.propose_greedy(hidden, jnp.zeros((1,), jnp.int32), lm_head).tokens
+
+    with pallas_cross_lowering():
+        text = jax.jit(draft_pass).trace(state, S((1, 6, dcfg.tap_dim), BF16), S((1, 8, dcfg.hidden_size), BF16),
+                                         S((dcfg.vocab_size, dcfg.hidden_size), BF16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    # fc, the context's k + v per layer (5), the block's q + k + v, o, gate + up, down per layer (20),
+    # markov_w2 (once: the chain is a scan)
+    assert kernel_module_size.launches(text) == 1 + 5 + 20 + 1
 
 
 def test_fp8_operands_are_the_block_grid():
