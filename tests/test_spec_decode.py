@@ -232,8 +232,8 @@ def test_dspark_greedy_equals_plain_golden(n, t):
 
 def test_fp8_draft_greedy_equals_plain_golden():
     """A draft held in block fp8 (quantize_draft: its 7 projections per layer, fc and markov_w2;
-    not the 1-wide confidence head) proposes differently, but the target verifies every proposal:
-    the output is still plain greedy's, token for token. (The golden draft's random weights get no
+    not the 1-wide confidence head) may propose other tokens, but the target verifies every
+    proposal: the output is still plain greedy's, token for token. (The golden draft's random weights get no
     proposal accepted in float64 either; the embedded model's trained draft measures acceptance:
     docs/PERFORMANCE.md, session 29.)"""
     case = gold()
