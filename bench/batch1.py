@@ -36,12 +36,11 @@ import time
 from pathlib import Path
 
 from lingjax import xla_env
-from lingjax.kernel_flags import add_kernel_args
+from lingjax.kernel_flags import add_draft_dtype_arg, add_kernel_args
 
 WARMUP_TOKENS = 32      # output tokens of each row's excluded warm-up request
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "ling3-tiny" / "config.json"
 PDL_MODES = ("off", "wait", "prefetch")   # --pdl: pallas_kernels.common.PDL_WAIT / PDL_PREFETCH
-DRAFT_DTYPES = ("bf16", "fp8")            # --draft-dtype: lingjax.model.dspark.quantize_draft
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,10 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--embedded", action="store_true",
                      help="the embedded default model with its trained DSpark draft (natural acceptance; CPU smoke)")
     ap.add_argument("--draft", help="DSpark draft checkpoint directory (--spec dspark with --checkpoint)")
-    ap.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="bf16",
-                    help="the DSpark draft's projections: bf16 as published, or fp8 = block fp8 "
-                         "(lingjax.model.dspark.quantize_draft): half their bytes per step; the output "
-                         "stays the target's (it verifies every draft), only acceptance can change")
     ap.add_argument("--dtype", choices=["bf16", "f32", "fp8"], default="bf16",
                     help="weights: bf16, f32, or fp8 = weight-only block fp8 (128x128 scales, the published "
                          "FP8 format; bf16 activations; needs a converted fp8 checkpoint or --random-weights)")
@@ -91,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mesh", default=None,
                     help="split over devices: 'tp=N[,ep=M]'; random weights are then created directly in their shards")
     add_kernel_args(ap)
+    add_draft_dtype_arg(ap)
     ap.add_argument("--approx", type=_approx, action="append", default=None, metavar="MODES",
                     help="approximate speed modes (lingjax/approx.py), off by default: comma list of "
                          "expert_keep=X, bf16_router_head, bf16_kda_state, fp8_mla_cache ('none' = exact). "

@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 
 from lingjax.config import LingConfig
+from lingjax.dspark_config import DRAFT_DTYPES
 
 DTYPE_BYTES = {"bf16": 2.0, "bfloat16": 2.0, "f32": 4.0, "float32": 4.0, "f64": 8.0, "float64": 8.0,
                "fp8": 1.0 + 4.0 / (128 * 128)}
@@ -243,7 +244,7 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--context", type=int, default=8192 + 512)
     ap.add_argument("--dtype", choices=["bf16", "fp8", "f32"], default="bf16")
-    ap.add_argument("--draft-dtype", choices=["bf16", "fp8"], default="bf16",
+    ap.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="bf16",
                     help="the DSpark draft's projections (fp8: lingjax.model.dspark.quantize_draft)")
     ap.add_argument("--bw-tbps", type=float, default=4.3)
     a = ap.parse_args(argv)

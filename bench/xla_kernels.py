@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from bench.profile_breakdown import hlo_components, parse_hlo
+from lingjax.dspark_config import DRAFT_DTYPES
 
 # XLA's GpuTargetConfigProto for one H200 SXM (141 GB HBM3e, 4.8 TB/s, 132 SMs, sm_90), in the text
 # format of XLA's hlo_opt gpu_specs files. Only what the compiler reads for fusion / tiling choices.
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--spec", choices=["none", "dspark"], default="dspark", help="decoding method (default dspark)")
     ap.add_argument("--block-size", type=int, default=8, help="DSpark block (default 8: a 9-token verify)")
     ap.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8", help="weights (default fp8)")
-    ap.add_argument("--draft-dtype", choices=["bf16", "fp8"], default="bf16",
+    ap.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="bf16",
                     help="the DSpark draft's projections (fp8: lingjax.model.dspark.quantize_draft)")
     ap.add_argument("--kernels", choices=["pallas", "xla"], default="pallas",
                     help="pallas: every kernel switch on (kda, moe, dense, mla), as the full-depth benchmark "

@@ -14,6 +14,10 @@ from typing import Any, Mapping
 
 from lingjax.config import read_config_json
 
+# How the draft's projections are held (load_engine(draft_dtype=), the CLIs' --draft-dtype):
+# bf16 as loaded, or fp8 = block fp8 (lingjax.model.dspark.quantize_draft).
+DRAFT_DTYPES = ("bf16", "fp8")
+
 # Keys that may sit in a nested `dspark_config` / `dflash_config` dict.
 _NESTED_KEYS = ("dspark_config", "dflash_config")
 _MARKOV_TYPES = ("vanilla",)

@@ -10,7 +10,7 @@ import json
 import sys
 
 from lingjax import xla_env
-from lingjax.kernel_flags import add_kernel_args
+from lingjax.kernel_flags import add_draft_dtype_arg, add_kernel_args
 
 DEFAULT_PROMPT = "import os\n\n\ndef read_config(path):\n"
 
@@ -24,10 +24,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("prompt", nargs="?", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     ap.add_argument("--checkpoint", help="Hugging Face checkpoint dir or a converted one (checkpoints_convert)")
     ap.add_argument("--draft", help="DSpark draft checkpoint dir (HF or converted)")
-    ap.add_argument("--draft-dtype", choices=["bf16", "fp8"], default="bf16",
-                    help="the DSpark draft's projections: bf16 as loaded, or fp8 = block fp8 (half their "
-                         "bytes per step; the output stays the target's, which verifies every draft; "
-                         "only the acceptance can change)")
     ap.add_argument("--spec", choices=["dspark", "mtp", "none"], default=None,
                     help="drafter: dspark (needs a draft), mtp (the target's own NEXTN layer), none; "
                          "default: dspark when a draft is available, else none")
@@ -48,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-steps", type=int, default=16, help="speculative steps per device chunk")
     ap.add_argument("--mesh", default=None, help="split over devices: 'tp=N[,ep=M]' (default: one device)")
     add_kernel_args(ap)
+    add_draft_dtype_arg(ap)
     ap.add_argument("--approx", default=None, metavar="MODES",
                     help="approximate speed modes (off by default; quality cost in bench/approx_quality.py): "
                          "comma list of expert_keep=X, bf16_router_head, bf16_kda_state, fp8_mla_cache")

@@ -1,6 +1,9 @@
-"""The model's kernel switches as command-line flags (no jax import: the CLIs add these before
-lingjax.xla_env has set XLA's flags and jax starts). lingjax.model.kernels runs the switches."""
+"""The model's kernel switches, and the draft's weight format, as command-line flags (no jax
+import: the CLIs add these before lingjax.xla_env has set XLA's flags and jax starts).
+lingjax.model.kernels runs the switches."""
 from __future__ import annotations
+
+from lingjax.dspark_config import DRAFT_DTYPES
 
 
 # The model's kernel switches: (flag / attribute name, what the Pallas kernel covers, splits over a mesh).
@@ -23,3 +26,11 @@ def add_kernel_args(ap) -> None:
                         help=f"{what}; 'pallas' needs an NVIDIA Hopper GPU"
                              + ("" if on_mesh else " and no --mesh"))
 
+
+
+def add_draft_dtype_arg(ap) -> None:
+    """--draft-dtype on an argparse parser (CLI, server, benchmark): lingjax.model.dspark.quantize_draft."""
+    ap.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="bf16",
+                    help="the DSpark draft's projections: bf16 as loaded, or fp8 = block fp8 (half their bytes "
+                         "per step; the output stays the target's, which verifies every draft; only the "
+                         "acceptance can change)")

@@ -9,6 +9,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from lingjax.approx import ApproxModes
+from lingjax.dspark_config import DRAFT_DTYPES
 from lingjax.engine import Engine
 from lingjax.model import kernels
 from lingjax.model.dense import check_dense_kernel, set_dense_kernel
@@ -17,7 +18,6 @@ from lingjax.model.kda import check_kda_kernel, set_kda_kernel
 from lingjax.model.mlp import check_moe_kernel, set_moe_kernel
 from lingjax.spec_decode import SpecConfig
 
-DRAFT_DTYPES = ("bf16", "fp8")         # load_engine(draft_dtype=): lingjax.model.dspark.quantize_draft
 DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "float64": jnp.float64}
 
 

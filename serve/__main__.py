@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from lingjax import xla_env
-from lingjax.kernel_flags import add_kernel_args
+from lingjax.kernel_flags import add_draft_dtype_arg, add_kernel_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,10 +22,6 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--checkpoint", help="Hugging Face checkpoint dir or a converted one (default: the embedded model)")
     ap.add_argument("--draft", help="DSpark draft checkpoint dir (HF or converted)")
-    ap.add_argument("--draft-dtype", choices=["bf16", "fp8"], default="bf16",
-                    help="the DSpark draft's projections: bf16 as loaded, or fp8 = block fp8 (half their "
-                         "bytes per step; the output stays the target's, which verifies every draft; "
-                         "only the acceptance can change)")
     ap.add_argument("--spec", choices=["dspark", "mtp", "none"], default=None,
                     help="drafter; default: dspark when a draft is available, else none")
     ap.add_argument("--block-size", type=int, default=None, help="drafts per speculative step")
@@ -35,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="speculative steps per device chunk (streaming and cancellation granularity)")
     ap.add_argument("--mesh", default=None, help="split over devices: 'tp=N[,ep=M]' (default: one device)")
     add_kernel_args(ap)
+    add_draft_dtype_arg(ap)
     ap.add_argument("--approx", default=None, metavar="MODES",
                     help="approximate speed modes, off by default (lingjax/approx.py): comma list of "
                          "expert_keep=X, bf16_router_head, bf16_kda_state, fp8_mla_cache")

@@ -214,12 +214,13 @@ class DSparkDraft(nnx.Module):
     def record_bounds(self):
         """Record ``markov_bound`` = 2 max |markov_w1| (the chain's markov_w2 input rows are rows of
         markov_w1; 2x covers their rounding to bf16), the fp8 markov_w2 call's x_bound
-        (lingjax.model.common.record_input_bounds); None for an abstract weight or no Markov head."""
+        (lingjax.model.common.record_input_bounds); None for an abstract weight or no Markov head.
+        The max is reduced where the weight lives: one scalar comes back, not the 80 MB table."""
         w1 = None if self.markov_w1 is None else self.markov_w1.get_value()
         if w1 is None or isinstance(w1, (jax.ShapeDtypeStruct, jax.core.Tracer)):
             self.markov_bound = None
         else:
-            self.markov_bound = float(2.0 * np.max(np.abs(np.asarray(w1, np.float32)))) if w1.size else 0.0
+            self.markov_bound = float(2.0 * jnp.max(jnp.abs(w1), initial=0).astype(jnp.float32))
 
     # ---- context cache ----------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, *, per_row: bool = False) -> DSparkCache:
