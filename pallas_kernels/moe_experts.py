@@ -147,6 +147,12 @@ N_SMS = 132         # H200: the splits below aim at >= 2 programs per SM
 # fp8, DSpark tau 5.29, same host: 4.697 -> 4.646 ms/step). Read when a program is traced (set it
 # before the first trace: lingjax.model.kernels.shared_call caches traced kernels).
 WEIGHTS_IN_ACT = True
+# fp8 'serial' kernels: await the expert's block-scale copy (and kernel 1 the tokens' x scales)
+# where they are first read (the first chunk's product, the SwiGLU) instead of before the weight
+# pipeline starts, so those small copies overlap the first weight chunks' loads rather than delay
+# them (each down program streams only 6 chunks of 8 KiB at Ling's shape). Same values. Read at
+# trace time.
+LATE_SCALE_WAITS = False
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
 _WG = plgpu.Layout.WGMMA
 
@@ -314,6 +320,7 @@ def _gate_up(table, xp, w_gate_up, su_gu, limits, split, stages, interpret, shar
     col = _WG.reduce(0)                       # [MAX_M] per-token vectors
 
     wb_tile = fp8 and (not k_minor or interpret)     # an f16 gate / up tile in SMEM
+    late_waits = LATE_SCALE_WAITS and not fp8_async
 
     def moe_gate_up(table_g, x_g, w_g, *refs):
         pdl_wait(interpret)
@@ -359,7 +366,8 @@ def _gate_up(table, xp, w_gate_up, su_gu, limits, split, stages, interpret, shar
             """fp8: per chunk, the gate and up tiles as exact f16 WGMMA A operands (an f16 SMEM tile,
             or with k_minor registers), a fresh product each, weighted into the carry by its scale."""
             plgpu.copy_gmem_to_smem(s_src, s_s, bar.at[0])
-            plgpu.barrier_wait(bar.at[0])
+            if not late_waits:
+                plgpu.barrier_wait(bar.at[0])
 
             def a_tiles(g8_s, u8_s):
                 if k_minor:                                  # [TF, 128] tiles, converted in registers
@@ -381,6 +389,8 @@ def _gate_up(table, xp, w_gate_up, su_gu, limits, split, stages, interpret, shar
                     return acc_g[...], acc_u[...]
 
                 pg, pu = pl.run_scoped(mma, plgpu.ACC((TF, MAX_M), _F32), plgpu.ACC((TF, MAX_M), _F32))
+                if late_waits:       # the scales' copy ran alongside the first chunks' loads
+                    pl.when(i == 0)(lambda: plgpu.barrier_wait(bar.at[0]))
                 k = p * kps + i
                 return carry[0] + pg * gu_scale(0, k), carry[1] + pu * gu_scale(1, k)
 
@@ -443,6 +453,8 @@ def _gate_up(table, xp, w_gate_up, su_gu, limits, split, stages, interpret, shar
             if split == 1:
                 g, up = res
                 if fp8:              # undo the tokens' power-of-two scaling (per column)
+                    if late_waits:
+                        plgpu.barrier_wait(bar.at[1])
                     xs = plgpu.load(xs_s, layout=col)[None, :]
                     g, up = g * xs, up * xs
                 store(o_s, _silu_clamp(g, up, limit).astype(_BF))
@@ -456,10 +468,14 @@ def _gate_up(table, xp, w_gate_up, su_gu, limits, split, stages, interpret, shar
                     plgpu.copy_smem_to_gmem(o_s.at[c], out_g.at[p, u, c, cols])
             plgpu.wait_smem_to_gmem(0)
 
+        routed = (e >= 0) & (u < n_routed) if shared else e >= 0
         if fp8 and split == 1:
             plgpu.copy_gmem_to_smem(xs_g, xs_s, bar.at[1])
-            plgpu.barrier_wait(bar.at[1])
-        routed = (e >= 0) & (u < n_routed) if shared else e >= 0
+            if late_waits:       # awaited where the expert reads them, or here by a padding slot
+                pl.when(~(routed | (u == n_routed)) if shared else ~routed)(
+                    lambda: plgpu.barrier_wait(bar.at[1]))
+            else:
+                plgpu.barrier_wait(bar.at[1])
         s_e = (lambda: s_g.at[e]) if fp8 else (lambda: None)          # (views made inside pl.when)
         s_sh = ssh_g if fp8 and shared else None
         if k_minor:
@@ -526,6 +542,7 @@ def _down(table, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8
     kps = F // BLOCK // split                 # F chunks per program
     fs = kps * BLOCK
     wb_tile = fp8 and (not k_minor or interpret)     # a bf16 down tile in SMEM
+    late_waits = LATE_SCALE_WAITS and not fp8_async
 
     def moe_down(table_g, act_g, w_g, *refs):
         pdl_wait(interpret)
@@ -556,11 +573,14 @@ def _down(table, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8
             s_src: its scale rows in GMEM, fp8)."""
             if fp8:
                 plgpu.copy_gmem_to_smem(s_src, s_s, bar.at[0])
-                plgpu.barrier_wait(bar.at[0])
+                if not late_waits:
+                    plgpu.barrier_wait(bar.at[0])
 
             def scoped(acc):
                 def step(idxs, w_s, a_s):
                     (i,) = idxs
+                    if fp8 and late_waits:   # the scales' copy ran alongside the first chunks' loads
+                        pl.when(i == 0)(lambda: plgpu.barrier_wait(bar.at[0]))
                     if k_minor:
                         if fp8:      # dequantised in registers: the A operand from there
                             a = a_regs(w_s, down_scale(i), _BF)

@@ -428,6 +428,29 @@ def test_interpret_weights_in_act_match(monkeypatch, M, split_d, split_f, with_s
     _check(out, ref, 2e-2)
 
 
+@pytest.mark.parametrize("M,split_d,split_f,with_shared,k_minor", [(9, 1, 1, True, True), (1, 4, 1, True, True),
+                                                                   (3, 2, 2, False, False), (9, 1, 1, False, False)])
+@interpret_only
+def test_interpret_late_scale_waits_match(monkeypatch, M, split_d, split_f, with_shared, k_minor):
+    """LATE_SCALE_WAITS: the scale copies awaited where they are first read give the same output,
+    bit for bit, as awaiting them before the weight pipelines (fp8, repeated experts and padding
+    slots, the shared slot, split reductions, both weight layouts)."""
+    E, k, D, F = 16, 4, 512, 256
+    vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=61 + M)
+    orient = _k_minor if k_minor else (lambda *a: a)
+    routed = orient(*(a[:E] for a in (vgu, sgu, vd, sd)))
+    shared = (*(a[0] for a in orient(*(a[E:] for a in (vgu, sgu, vd, sd)))), 0.05) if with_shared else None
+    idx, w = _routing(M, k, E, "overlap", seed=M + 13)
+    x = jax.random.normal(jax.random.PRNGKey(M + 31), (M, D), F32).astype(BF16)
+    kw = dict(split_d=split_d, split_f=split_f, k_minor=k_minor, shared=shared, interpret=INTERPRET)
+    monkeypatch.setattr(moe_experts_mod, "LATE_SCALE_WAITS", False)
+    base = jax.block_until_ready(moe_experts_pallas(x, idx, w, *routed, 0.02, **kw))
+    monkeypatch.setattr(moe_experts_mod, "LATE_SCALE_WAITS", True)
+    out = jax.block_until_ready(moe_experts_pallas(x, idx, w, *routed, 0.02, **kw))
+    assert_no_race_flagged()
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(base, np.float32))
+
+
 @pytest.mark.parametrize("M,split_d,with_shared", [(1, 4, True), (9, 1, False)])
 @interpret_only
 def test_interpret_x_bound_matches_own_row_scaling(M, split_d, with_shared):
@@ -603,6 +626,21 @@ def test_k_minor_cross_lowers_for_cuda_with_shared_expert(M, kind):
     assert text.count("mosaic_gpu") >= 2
 
 
+@pytest.mark.parametrize("M", [1, 9])
+def test_late_scale_waits_cross_lower_for_cuda(monkeypatch, M):
+    """LATE_SCALE_WAITS (a barrier wait inside the pipelines' first step) lowers for CUDA at the Ling
+    shape, k_minor fp8 with the shared expert, as the model runs it."""
+    monkeypatch.setattr(moe_experts_mod, "LATE_SCALE_WAITS", True)
+    E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
+    S = jax.ShapeDtypeStruct
+    args = (S((M, D), BF16), S((M, k), jnp.int32), S((M, k), F32), S((E, 2, F, D), FP8),
+            S((E, 2, D // 128, F // 128), F32), S((E, D, F), FP8), S((E, F // 128, D // 128), F32))
+    sh = (S((2, F, D), FP8), S((2, D // 128, F // 128), F32), S((D, F), FP8), S((F // 128, D // 128), F32))
+    f = jax.jit(lambda *a: moe_experts_pallas(*a[:7], limit=7.0, shared=(*a[7:], 5.0), k_minor=True))
+    text = f.trace(*args, *sh).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2
+
+
 # ---- real kernel on the GPU (skipped elsewhere) ---------------------------------------------------
 def _ling_with_shared(M, seed, kind="fp8", mode="independent"):
     """Ling-shaped inputs with expert E of E + 1 random ones as the shared expert (own clamp 5.0,
@@ -669,6 +707,24 @@ def test_gpu_k_minor_ling_shape(M, kind):
     # one bf16 ulp apart at most: each expert's output is rounded to bf16 (F not split) or summed in
     # float32 first (the K-major kernel splits F for one token), and the accumulation orders differ
     _check(out, base, 1e-2)
+    _check(out, ref, 2e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("M", [1, 9, 16])
+def test_gpu_late_scale_waits_ling_shape(monkeypatch, M):
+    """LATE_SCALE_WAITS on the GPU: k_minor fp8 at the Ling shape with the shared expert, bit for bit
+    the output of the kernels that await their scales first, and the reference's within tolerance."""
+    x, idx, w, routed, shared, ref = _ling_with_shared(M, 8, mode="overlap" if M > 1 else "independent")
+    vgu, sgu, vd, sd = _k_minor(*(a[None] for a in shared[:4]))
+    shared_k = (vgu[0], sgu[0], vd[0], sd[0], 5.0)
+    run = lambda: jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared_k, k_minor=True))(  # noqa: E731
+        x, idx, w, *_k_minor(*routed))
+    monkeypatch.setattr(moe_experts_mod, "LATE_SCALE_WAITS", False)
+    base = run()
+    monkeypatch.setattr(moe_experts_mod, "LATE_SCALE_WAITS", True)
+    out = run()
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(base, np.float32))
     _check(out, ref, 2e-2)
 
 
