@@ -133,7 +133,7 @@ MAX_M = 16          # tokens per call (decode or a speculative verify block); al
 BLOCK = 128         # fp8 scale block (both dims) = K chunk of every matmul
 TF = 64             # kernel 1: F columns per program (WGMMA M rows of the gate and up tiles)
 TD = 128            # kernel 2: D columns per program (WGMMA M rows)
-TD_K_MINOR = 64     # kernel 2 with k-minor weights: D rows per register A tile (one WGMMA's M)
+TD_K_MINOR = 64     # kernel 2 with k-minor weights: D rows per program (the A tile in registers)
 STAGES = 3          # TMA pipeline depth (default of `stages`)
 FP8_SCHEDULES = ("serial", "async")
 N_SMS = 132         # H200: the splits below aim at >= 2 programs per SM
@@ -153,22 +153,6 @@ WEIGHTS_IN_ACT = True
 # them (each down program streams only 6 chunks of 8 KiB at Ling's shape). Same values. Read at
 # trace time.
 LATE_SCALE_WAITS = False
-# Kernel 2 with k-minor weights: D rows per program, TD_K_MINOR (one register A tile per chunk) or
-# 2 * TD_K_MINOR (two tiles, two accumulators: programs twice as long, 16 KiB chunks instead of 8)
-# when there are enough programs anyway (`down_rows`: a verify block's ~70 slots; one token's 9
-# slots keep 64). Read at trace time.
-DOWN_ROWS_K_MINOR = 64
-
-
-def down_rows(U: int, D: int, k_minor: bool) -> int:
-    """Kernel 2's D rows per program for U slots: TD (K-major), else DOWN_ROWS_K_MINOR where that
-    still gives >= 2 programs per SM (N_SMS), else TD_K_MINOR."""
-    if not k_minor:
-        return TD
-    rows = DOWN_ROWS_K_MINOR
-    if rows not in (TD_K_MINOR, 2 * TD_K_MINOR):
-        raise ValueError(f"DOWN_ROWS_K_MINOR={rows} must be {TD_K_MINOR} or {2 * TD_K_MINOR}")
-    return rows if U * (D // rows) >= 2 * N_SMS else TD_K_MINOR
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
 _WG = plgpu.Layout.WGMMA
 
@@ -545,12 +529,11 @@ def _down(table, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8
         E, D, F = w_down.shape
     else:
         E, F, D = w_down.shape
+    td = TD_K_MINOR if k_minor else TD
     n_routed = table.shape[0]
     w_shared, s_shared = shared if shared is not None else (None, None)
     shared = w_shared is not None
     U = n_routed + shared
-    td = down_rows(U, D, k_minor)
-    halves = td // TD_K_MINOR if k_minor else 1      # register A tiles (accumulators) per chunk
     nd = D // BLOCK
     fp8 = su_d is not None
     out_dtype = _BF if split == 1 else _F32
@@ -593,22 +576,18 @@ def _down(table, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8
                 if not late_waits:
                     plgpu.barrier_wait(bar.at[0])
 
-            def scoped(*accs):
-                acc = accs[0]
-
+            def scoped(acc):
                 def step(idxs, w_s, a_s):
                     (i,) = idxs
                     if fp8 and late_waits:   # the scales' copy ran alongside the first chunks' loads
                         pl.when(i == 0)(lambda: plgpu.barrier_wait(bar.at[0]))
                     if k_minor:
-                        for h in range(halves):          # a [TD_K_MINOR, 128] A tile each
-                            w_h = w_s if halves == 1 else w_s.at[pl.ds(h * TD_K_MINOR, TD_K_MINOR)]
-                            if fp8:      # dequantised in registers: the A operand from there
-                                a = a_regs(w_h, down_scale(i), _BF)
-                                if fp8_async and interpret:      # its SMEM staging tile is reused
-                                    plgpu.wgmma_wait(0)
-                                w_h = a_operand(a, wb_s.at[h] if wb_s is not None else None, interpret)
-                            plgpu.wgmma(accs[h], w_h, a_s.T)
+                        if fp8:      # dequantised in registers: the A operand from there
+                            a = a_regs(w_s, down_scale(i), _BF)
+                            if fp8_async and interpret:      # its SMEM staging tile is reused
+                                plgpu.wgmma_wait(0)
+                            w_s = a_operand(a, wb_s, interpret)
+                        plgpu.wgmma(acc, w_s, a_s.T)
                         if not fp8_async:
                             plgpu.wgmma_wait(0)
                         return
@@ -638,11 +617,10 @@ def _down(table, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8
                                                       delay_release=late)],
                     max_concurrent_steps=stages,
                 )(source, act_g.at[u, :, rows])
-                return tuple(a[...] for a in accs)
+                return acc[...]
 
-            ys = pl.run_scoped(scoped, *[plgpu.ACC((td // halves, MAX_M), _F32)] * halves)
-            for h, y in enumerate(ys):
-                store(o_s if halves == 1 else o_s.at[pl.ds(h * TD_K_MINOR, TD_K_MINOR)], y.astype(out_dtype))
+            y = pl.run_scoped(scoped, plgpu.ACC((td, MAX_M), _F32))
+            store(o_s, y.astype(out_dtype))
 
         routed = (e >= 0) & (u < n_routed) if shared else e >= 0
         s_e = (lambda: s_g.at[e]) if fp8 else (lambda: None)          # (views made inside pl.when)
@@ -658,16 +636,14 @@ def _down(table, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8
 
         @pl.when((e < 0) & (u < n_routed) if shared else e < 0)     # padding slot: reads nothing, writes zeros
         def _():
-            for h in range(halves):
-                store(o_s if halves == 1 else o_s.at[pl.ds(h * TD_K_MINOR, TD_K_MINOR)],
-                      plgpu.layout_cast(jnp.zeros((td // halves, MAX_M), out_dtype), _WG))
+            store(o_s, plgpu.layout_cast(jnp.zeros((td, MAX_M), out_dtype), _WG))
 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s, y_g.at[p, u, cols])
         plgpu.wait_smem_to_gmem(0)
 
     out_tile = plgpu.SMEM((td, MAX_M), out_dtype)
-    tile = (plgpu.SMEM((halves, TD_K_MINOR, BLOCK), _BF, transforms=swizzled(BLOCK, 2)) if k_minor  # (interpret)
+    tile = (plgpu.SMEM((td, BLOCK), _BF, transforms=swizzled(BLOCK, 2)) if k_minor     # (interpret)
             else plgpu.SMEM((BLOCK, td), _BF, transforms=w_tf))                        # dequantised down chunk
     scratch = (*((tile,) if wb_tile else ()),
                plgpu.SMEM(su_d.shape[1:], _F32),                        # the expert's scales
@@ -814,7 +790,7 @@ def moe_split(U: int, D: int, F: int, k_minor: bool = False) -> tuple[int, int]:
     chunks each; k_minor: 8 x D/64 = 320 -> no split); a 9-token verify block (~66 experts)
     splits neither. H200, k_minor, one token + the shared expert (run 34): split_d 1 / 2 / 4
     35.8 / 35.4 / 39.2 us per MoE call, split_f 1 / 2 38.9 / 39.6."""
-    td = down_rows(U, D, k_minor)
+    td = TD_K_MINOR if k_minor else TD
     return (_split(U * (F // TF), D // BLOCK, 4, waves=1 if k_minor else 2), _split(U * (D // td), F // BLOCK, 2))
 
 
