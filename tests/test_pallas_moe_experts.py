@@ -626,11 +626,12 @@ def test_k_minor_cross_lowers_for_cuda_with_shared_expert(M, kind):
     assert text.count("mosaic_gpu") >= 2
 
 
+@pytest.mark.parametrize("late", [True, False])
 @pytest.mark.parametrize("M", [1, 9])
-def test_late_scale_waits_cross_lower_for_cuda(monkeypatch, M):
-    """LATE_SCALE_WAITS (a barrier wait inside the pipelines' first step) lowers for CUDA at the Ling
-    shape, k_minor fp8 with the shared expert, as the model runs it."""
-    monkeypatch.setattr(moe_experts_mod, "LATE_SCALE_WAITS", True)
+def test_late_scale_waits_cross_lower_for_cuda(monkeypatch, M, late):
+    """Both LATE_SCALE_WAITS settings (on: a barrier wait inside the pipelines' first step) lower for
+    CUDA at the Ling shape, k_minor fp8 with the shared expert, as the model runs it."""
+    monkeypatch.setattr(moe_experts_mod, "LATE_SCALE_WAITS", late)
     E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
     S = jax.ShapeDtypeStruct
     args = (S((M, D), BF16), S((M, k), jnp.int32), S((M, k), F32), S((E, 2, F, D), FP8),
