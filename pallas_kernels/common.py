@@ -5,6 +5,7 @@ import contextlib
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 X_TOP_EXP = 15   # f16 token rows: each scaled by a power of two to max|x| in [2**14, 2**15)
@@ -156,6 +157,21 @@ def a_operand(a, tile_ref, interpret):
     store(tile_ref, a)
     plgpu.commit_smem()
     return tile_ref
+
+
+def mma_add(acc, a, b_ref, interpret):
+    """acc + a . b by WGMMA (acc [64, N] float32 registers, a [64, K] registers or SMEM, b_ref [K, N]
+    SMEM); returns when the product is done. On the GPU the accumulator starts from acc
+    (``pl.run_state``); interpret mode has no run_state, so there the product is added after."""
+    if interpret:
+        def fresh(r):
+            plgpu.wgmma(r, a, b_ref)
+            return r[...]
+        return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+    def into(r):
+        plgpu.wgmma(r, a, b_ref)
+    return pl.run_state(into)(plgpu.ACC.init(acc))
 
 
 # Refusal shared by the skinny GEMM and the MoE kernels.

@@ -68,7 +68,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import a_operand, pdl_wait, store, swizzled
+from pallas_kernels.common import a_operand, mma_add, pdl_wait, store, swizzled
 
 __all__ = ["BLOCK_ROWS", "MAX_T", "WARPGROUPS", "combine_splits", "mla_decode_attention_pallas", "pick_block_s",
            "pick_splits", "warpgroups_for"]
@@ -278,7 +278,7 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
 
                 p, alpha, m, l = _softmax_step(q_s, qr_s, lat_s, kr_s, slot, c, lim, m, l)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                acc = _mma_add(acc, a_operand(p.astype(_BF), p_s[0] if p_s else None, interpret), lat_s.at[slot, j],
+                acc = mma_add(acc, a_operand(p.astype(_BF), p_s[0] if p_s else None, interpret), lat_s.at[slot, j],
                                interpret)
                 return acc, m, l
 
@@ -363,7 +363,7 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
                     store(rv_s.at[slot], alpha)
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(p_ready.at[0])
-                    acc = _mma_add(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_s if interpret else p16,
+                    acc = mma_add(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_s if interpret else p16,
                                    lat_s.at[slot, wg], interpret)      # block wg (0); a static index does not lower here
                     plgpu.barrier_arrive(free0.at[0])
                     return acc, m, l
@@ -388,7 +388,7 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
                     wait_chunk(slot)
                     plgpu.barrier_wait(p_ready.at[0])
                     alpha = plgpu.load(rv_s.at[slot], layout=row)
-                    acc = _mma_add(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), kr_s.at[slot],
+                    acc = mma_add(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), kr_s.at[slot],
                                    lat_s.at[slot, wg], interpret)      # block wg (1)
                     plgpu.barrier_wait(free0.at[0])                             # warpgroup 0 is past chunk c
                     pl.when(c + 1 < hi)(lambda: plgpu.barrier_arrive(w1_done.at[0]))
@@ -433,21 +433,6 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
     )
     o_part, lse = kernel(ql, qr, latent, k_rope, pos1)
     return combine_splits(o_part, lse)[:, :R]
-
-
-def _mma_add(acc, a, b_ref, interpret):
-    """acc + a . b by WGMMA (acc [64, N] float32 registers, a [64, K] registers or SMEM, b_ref [K, N]
-    SMEM); returns when the product is done. On the GPU the accumulator starts from acc
-    (``pl.run_state``); interpret mode has no run_state, so there the product is added after."""
-    if interpret:
-        def fresh(r):
-            plgpu.wgmma(r, a, b_ref)
-            return r[...]
-        return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, _F32))
-
-    def into(r):
-        plgpu.wgmma(r, a, b_ref)
-    return pl.run_state(into)(plgpu.ACC.init(acc))
 
 
 def combine_splits(o_part, lse):

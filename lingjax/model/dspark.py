@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from lingjax.dspark_config import DSparkConfig, DSparkConfigError
-from lingjax.model import dense
+from lingjax.model import dense, kernels
 from lingjax.model.common import RMSNorm, acc_dtype, apply_rope, param, rope_cos_sin
 from lingjax.param_layout import Matrix
 from lingjax.quant import DEFAULT_BLOCK, Fp8Weight, quantize
@@ -115,6 +115,23 @@ class HeadsOut(nnx.Module):
         return jnp.einsum("bqhd,hde->bqe", x.astype(w.dtype), w)
 
 
+# The draft's context attention on the flash-decoding kernel (pallas_kernels/draft_attention.py)
+# when its projections run on the skinny GEMM (dense_kernel='pallas') and the shapes fit the
+# kernel (`_context_kernel_fits`): off until measured on a GPU (session 30: interpret-mode and
+# cross-lowering tests only). Read when a program is traced.
+ATTENTION_KERNEL = False
+
+
+def _context_kernel_fits(q, k_ctx, tokens_per_kv_head: int) -> bool:
+    """Whether the context attention's kernel takes these operands (all bf16, head_dim 64 / 128, a
+    cache of >= 64 positions in whole 8-row TMA tiles, <= 64 query rows per kv head)."""
+    from pallas_kernels import draft_attention
+    d, S = q.shape[-1], k_ctx.shape[1]
+    return (all(jnp.dtype(x.dtype) == jnp.bfloat16 for x in (q, k_ctx)) and d in (64, 128)
+            and S >= draft_attention.BLOCK_S and S % 8 == 0 and tokens_per_kv_head <= 64
+            and q.shape[1] <= draft_attention.MAX_T)
+
+
 class DSparkAttention(nnx.Module):
     def __init__(self, cfg: DSparkConfig, *, dtype, rngs):
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -133,9 +150,10 @@ class DSparkAttention(nnx.Module):
         k, v = linears(ctx, self.k_proj, self.v_proj, x_bound=x_bound)
         return apply_rope(self.k_norm(k), cos[:, :, None, :], sin[:, :, None, :], interleaved=False), v
 
-    def __call__(self, x, k_ctx, v_ctx, ctx_valid, cos, sin, x_bound: float | None = None):
+    def __call__(self, x, k_ctx, v_ctx, ctx_valid, cos, sin, x_bound: float | None = None, ctx_length=None):
         """x [B, Bk, hidden] (after input_layernorm, whose bound is x_bound); k_ctx/v_ctx [B, M, kvh, d];
-        ctx_valid [B, M] bool; cos/sin [B, Bk, d]."""
+        ctx_valid [B, M] bool; cos/sin [B, Bk, d]; ctx_length [B] int32 (ctx_valid's count) or None:
+        with it and ATTENTION_KERNEL the context half may run on the flash-decoding kernel."""
         b, bk, _ = x.shape
         kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         acc = acc_dtype(x.dtype)
@@ -143,8 +161,12 @@ class DSparkAttention(nnx.Module):
         q, k_blk, v_blk = linears(x, self.q_proj, self.k_proj, self.v_proj, x_bound=x_bound)
         q = apply_rope(self.q_norm(q), cs, sn, interleaved=False)                   # [B,Bk,H,d]
         k_blk = apply_rope(self.k_norm(k_blk), cs, sn, interleaved=False)           # [B,Bk,kvh,d]
-        q = q.reshape(b, bk, kvh, g, d)
         scale = d ** -0.5
+        if (ATTENTION_KERNEL and ctx_length is not None and dense.uses_kernel(self.q_proj, "weight", b * bk)
+                and _context_kernel_fits(q.astype(x.dtype), k_ctx, bk * g)):
+            o = self._kernel_attention(q.astype(x.dtype), k_blk, v_blk, k_ctx, v_ctx, ctx_length, scale)
+            return self.o_proj(o.reshape(b, bk, kvh * g, d).astype(x.dtype))
+        q = q.reshape(b, bk, kvh, g, d)
         s_ctx = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_ctx.astype(q.dtype), preferred_element_type=acc) * scale
         s_blk = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_blk, preferred_element_type=acc) * scale
         neg = jnp.asarray(jnp.finfo(acc).min, acc)
@@ -158,6 +180,28 @@ class DSparkAttention(nnx.Module):
              + jnp.einsum("bhgqk,bkhd->bqhgd", p_blk.astype(vt), v_blk, preferred_element_type=acc))
         o = o / jnp.moveaxis(denom, (1, 2, 3), (2, 3, 1))                           # [B,Bk,kvh,g,1]
         return self.o_proj(o.reshape(b, bk, kvh * g, d).astype(x.dtype))
+
+    def _kernel_attention(self, q, k_blk, v_blk, k_ctx, v_ctx, ctx_length, scale):
+        """The context half on the flash-decoding kernel (o, log2 denominator), the block's own Bk
+        keys in XLA, merged exactly (the two softmax halves weighted by their denominators).
+        q [B,Bk,H,d] bf16 -> o [B,Bk,H,d] float32."""
+        from pallas_kernels import draft_attention
+        b, bk, h, d = q.shape
+        kvh, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        o_c, lse_c = kernels.shared_call(draft_attention.context_attention_pallas, q, k_ctx, v_ctx,
+                                         ctx_length.astype(jnp.int32), scale=float(scale),
+                                         interpret=kernels.interpret_arg("dense_kernel"))
+        qg = q.reshape(b, bk, kvh, g, d)
+        s = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k_blk.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+        m = s.max(-1, keepdims=True)                                                 # finite: Bk >= 1 keys
+        p = jnp.exp(s - m)
+        den = p.sum(-1)                                                              # [B,Bk,kvh,g]
+        o_b = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+        o_b = (o_b / den[..., None]).reshape(b, bk, h, d)
+        lse_b = ((m[..., 0] + jnp.log(den)) * math.log2(math.e)).reshape(b, bk, h)
+        top = jnp.maximum(lse_c, lse_b)                                              # finite (lse_b is)
+        w_c, w_b = jnp.exp2(lse_c - top), jnp.exp2(lse_b - top)
+        return (w_c[..., None] * o_c + w_b[..., None] * o_b) / (w_c + w_b)[..., None]
 
 
 class DSparkMLP(nnx.Module):
@@ -178,9 +222,9 @@ class DSparkLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x, k_ctx, v_ctx, ctx_valid, cos, sin):
+    def __call__(self, x, k_ctx, v_ctx, ctx_valid, cos, sin, ctx_length=None):
         x = x + self.self_attn(self.input_layernorm(x), k_ctx, v_ctx, ctx_valid, cos, sin,
-                               x_bound=self.input_layernorm.bound)
+                               x_bound=self.input_layernorm.bound, ctx_length=ctx_length)
         return x + self.mlp(self.post_attention_layernorm(x), x_bound=self.post_attention_layernorm.bound)
 
 
@@ -272,7 +316,7 @@ class DSparkDraft(nnx.Module):
         ctx_valid = jnp.arange(cache.max_len, dtype=jnp.int32)[None, :] < length[:, None]
         x = block_embeds.astype(self.dtype)
         for layer, kc, vc in zip(self.layers, cache.k, cache.v):
-            x = layer(x, kc, vc, ctx_valid, cos, sin)
+            x = layer(x, kc, vc, ctx_valid, cos, sin, ctx_length=length)
         return self.norm(x)
 
     # ---- Markov chain + confidence -----------------------------------------------------------

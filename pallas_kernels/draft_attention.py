@@ -1,0 +1,229 @@
+"""The DSpark draft's attention over its context cache, split over the context like flash-decoding
+(Pallas Mosaic GPU, `plgpu.kernel`), for blocks of T = 1..16 query tokens.
+
+Contract (the XLA reference is :func:`context_attention_reference`: the context half of
+:class:`lingjax.model.dspark.DSparkAttention`, whose block half stays in XLA):
+
+    q       [B, T, H, d]    bf16   the block's queries (normed and roped), H = Hk * g
+    k, v    [B, S, Hk, d]   bf16   the draft's context cache (normed and roped keys, values)
+    length  [B] int32              positions s < length[b] are valid (at most S)
+    scale   float                  the softmax scale
+    -> (o [B, T, H, d] float32: softmax_s(scale q . k_s) . v_s over the valid positions,
+        lse [B, T, H] float32: log2 of that softmax's denominator with its max, -inf where no
+        position is valid), so that a caller merges other keys' scores (the block's own) exactly.
+
+Design
+------
+* Program (b, kv head, split): the kv head's g query heads x T tokens as the rows of one WGMMA
+  tile (g * T <= 64; rows r = t * g + i; the XLA prologue pads them to a multiple of 8, rows past
+  them are zeros in SMEM and never written out) against an even share of the
+  ceil(length / 64) 64-position chunks. Per chunk (double-buffered TMA: the next chunk's K and V
+  tiles load while this one is used; each tile the kv head's d columns of S rows, a strided box):
+  scores = q . K_chunk^T by WGMMA (K transposed as B), masked to the valid positions, an online
+  softmax in the log2 domain (FlashAttention's running max and sum), P rounded to bf16 (as the
+  reference rounds its probabilities before P . V), the accumulator rescaled, acc += P . V_chunk
+  with P as a register A operand (an SMEM tile in interpret mode). A cache whose S is not a
+  multiple of 64 reads its last chunk from S - 64 and masks what an earlier chunk covered.
+* Each program writes its split's normalised o [rows, d] and lse [rows] (float32); XLA combines
+  the splits (``combine_splits``), as for the MLA decode kernel.
+
+Where it helps: the XLA path writes float32 scores [H, S, T] per layer (9.5 MB at the published
+draft's 32 heads and a 9,280-position cache), re-reads them for the max, the exponentials and the
+sum, and then reads P again for P . V; here K and V are read once and the scores stay on chip.
+
+Status (session 30): interpret-mode tests with race detection against the XLA reference
+(`tests/test_pallas_draft_attention.py`) and cross-lowering for CUDA at the published draft's
+shape; not yet run on a GPU. The model uses it only with ``lingjax.model.dspark.ATTENTION_KERNEL``
+(off) and the draft's projections on the skinny GEMM (dense_kernel='pallas').
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import a_operand, mma_add, pdl_wait, store, swizzled
+
+__all__ = ["MAX_T", "BLOCK_S", "context_attention_pallas", "context_attention_reference", "combine_splits",
+           "pick_splits"]
+
+MAX_T = 16                # block tokens per call
+ROWS = 64                 # query rows per program (one WGMMA M)
+BLOCK_S = 64              # context positions per chunk
+TARGET_PROGRAMS = 264     # two programs per SM of the H200's 132
+_F32, _BF = jnp.float32, jnp.bfloat16
+_LOG2E = math.log2(math.e)
+
+
+def pick_splits(B: int, Hk: int, chunks: int) -> int:
+    """Context splits: about TARGET_PROGRAMS programs, at most one per chunk."""
+    return max(1, min(chunks, TARGET_PROGRAMS // max(1, B * Hk)))
+
+
+def combine_splits(o_part, lse):
+    """o_part [n, ..., d] float32 (each split's normalised output), lse [n, ...] (log2 of each split's
+    denominator, max included; -inf: nothing seen) -> (o [..., d], lse [...]) over all splits (o = 0
+    and lse = -inf where no split saw anything)."""
+    top = jnp.max(lse, axis=0)
+    top_use = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp2(lse - top_use)                                   # [n, ...]
+    den = jnp.sum(w, axis=0)
+    o = jnp.sum(w[..., None] * o_part, axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
+    return o, jnp.where(den > 0, top_use + jnp.log2(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+
+
+def context_attention_reference(q, k, v, length, scale: float):
+    """The XLA reference of the contract above (the same float32 scores and bf16-rounded P as
+    DSparkAttention's XLA path, normalised over the context alone)."""
+    B, T, H, d = q.shape
+    Hk = k.shape[2]
+    g = H // Hk
+    qg = q.reshape(B, T, Hk, g, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(q.dtype), preferred_element_type=_F32) * scale
+    valid = jnp.arange(k.shape[1])[None, :] < jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B,))[:, None]
+    s = jnp.where(valid[:, None, None, None, :], s, -jnp.inf)
+    m = s.max(-1, keepdims=True)
+    m_use = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m_use)
+    den = p.sum(-1, keepdims=True)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=_F32)
+    o = o / jnp.moveaxis(jnp.where(den > 0, den, 1.0), (1, 2, 3), (2, 3, 1))
+    lse = jnp.where(den[..., 0] > 0, (m_use[..., 0] + jnp.log(jnp.where(den[..., 0] > 0, den[..., 0], 1.0))) * _LOG2E,
+                    -jnp.inf)                                       # [B, Hk, g, T]
+    return o.reshape(B, T, H, d), jnp.moveaxis(lse, 3, 1).reshape(B, T, H)
+
+
+def context_attention_pallas(q, k, v, length, scale: float, *, splits: int | None = None, interpret=False):
+    """See the module docstring. q [B, T, H, d], k / v [B, S, Hk, d] (bf16), length [B] or a scalar
+    (int32) -> (o [B, T, H, d] float32, lse [B, T, H] float32). ``splits``: context splits (default
+    `pick_splits`); ``interpret``: False (compile for the GPU) or a ``plgpu.InterpretGPUParams``."""
+    B, T, H, d = q.shape
+    S, Hk = k.shape[1], k.shape[2]
+    if k.shape != (B, S, Hk, d) or v.shape != k.shape:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: need q [B, T, H, d] and k, v [B, S, Hk, d]")
+    if any(jnp.dtype(x.dtype) != _BF for x in (q, k, v)):
+        raise ValueError(f"q, k, v must be bfloat16 (got {q.dtype}, {k.dtype}, {v.dtype}); use the XLA path")
+    if H % Hk:
+        raise ValueError(f"H={H} query heads are not a multiple of Hk={Hk} kv heads")
+    g = H // Hk
+    if not 1 <= T <= MAX_T or g * T > ROWS:
+        raise ValueError(f"T={T} tokens x {g} query heads per kv head must be at most {ROWS} rows (T <= {MAX_T})")
+    if d not in (64, 128):
+        raise ValueError(f"head_dim={d}: the kernel takes 64 or 128")
+    if S < BLOCK_S or S % 8:
+        raise ValueError(f"the cache holds S={S} positions; the kernel needs S >= {BLOCK_S} and S % 8 == 0")
+    chunks = -(-S // BLOCK_S)
+    n_split = pick_splits(B, Hk, chunks) if splits is None else int(splits)
+    if not 1 <= n_split <= chunks:
+        raise ValueError(f"splits={n_split} must be in 1..{chunks} (the cache's {BLOCK_S}-position chunks)")
+    R = g * T
+    Rp = -(-R // 8) * 8
+    # [B, Hk, Rp, d]: each kv head's rows r = t * g + i (tiny: the block's queries)
+    qr = jnp.moveaxis(q.reshape(B, T, Hk, g, d), 2, 1).reshape(B, Hk, R, d)
+    if Rp != R:
+        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
+    kf, vf = k.reshape(B, S, Hk * d), v.reshape(B, S, Hk * d)        # free: a kv head's d columns
+    lengths = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B,))
+    scale_log2 = float(scale) * _LOG2E
+    row = plgpu.Layout.WGMMA.reduce(1)
+    bs = BLOCK_S
+
+    def body(q_g, k_g, v_g, len_g, o_g, lse_g):
+        pdl_wait(interpret)
+        b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+        n_len = jnp.minimum(len_g[b], S)
+        n_need = (n_len + (bs - 1)) // bs
+        per = (n_need + (n_split - 1)) // n_split
+        lo = jnp.minimum(sp * per, n_need)
+        hi = jnp.minimum(lo + per, n_need)
+        cols = pl.ds(h * d, d)
+
+        def attend(q_s, k_s, v_s, qbar, bars, *p_s):
+            if Rp < ROWS:            # rows past the block's: zeros (their results are not written)
+                store(q_s, plgpu.layout_cast(jnp.zeros((ROWS, d), _BF), plgpu.Layout.WGMMA))
+                plgpu.commit_smem()
+            plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s.at[pl.ds(0, Rp)], qbar.at[0])
+
+            def issue(c, slot):
+                start = jnp.minimum(c * bs, S - bs)
+                plgpu.copy_gmem_to_smem(k_g.at[b, pl.ds(start, bs), cols], k_s.at[slot], bars.at[2 * slot])
+                plgpu.copy_gmem_to_smem(v_g.at[b, pl.ds(start, bs), cols], v_s.at[slot], bars.at[2 * slot + 1])
+
+            @pl.when(lo < hi)
+            def _():
+                issue(lo, 0)
+
+            plgpu.barrier_wait(qbar.at[0])
+
+            def chunk(c, carry):
+                acc, m, l = carry
+                slot = lax.rem(c - lo, jnp.int32(2))
+                plgpu.barrier_wait(bars.at[2 * slot])
+                plgpu.barrier_wait(bars.at[2 * slot + 1])
+
+                @pl.when(c + 1 < hi)      # the other slot's readers (chunk c - 1's WGMMAs) are done
+                def _():
+                    issue(c + 1, 1 - slot)
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, q_s, k_s.at[slot].transpose((1, 0)))
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((ROWS, bs), _F32))
+                start = jnp.minimum(c * bs, S - bs)
+                at = start + plgpu.broadcasted_iota(jnp.int32, (ROWS, bs), 1, layout=plgpu.Layout.WGMMA)
+                s = jnp.where((at >= c * bs) & (at < n_len), s * scale_log2, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # a row with nothing seen yet
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                acc = mma_add(acc, a_operand(p.astype(_BF), p_s[0] if p_s else None, interpret), v_s.at[slot],
+                              interpret)
+                return acc, m_new, l
+
+            init = (plgpu.layout_cast(jnp.zeros((ROWS, d), _F32), plgpu.Layout.WGMMA),
+                    plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, _F32), row),
+                    plgpu.layout_cast(jnp.zeros((ROWS,), _F32), row))
+            return lax.fori_loop(lo, hi, chunk, init)
+
+        acc, m, l = pl.run_scoped(
+            attend,
+            plgpu.SMEM((ROWS, d), _BF, transforms=swizzled(d)),                       # the query rows
+            plgpu.SMEM((2, bs, d), _BF, transforms=swizzled(d)),                      # K chunks
+            plgpu.SMEM((2, bs, d), _BF, transforms=swizzled(d)),                      # V chunks
+            plgpu.Barrier(num_barriers=1),
+            plgpu.Barrier(num_barriers=4),
+            *([plgpu.SMEM((ROWS, bs), _BF, transforms=swizzled(bs))] if interpret else []),   # P
+        )
+
+        def emit(o_s, lse_s):        # reuses the SMEM of `attend`'s buffers (a later scope)
+            seen = l > 0.0
+            store(o_s, acc / lax.broadcast_in_dim(jnp.where(seen, l, 1.0), acc.shape, [0]))
+            store(lse_s, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)) * _LOG2E, -jnp.inf))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, Rp)], o_g.at[sp, b, h])
+            plgpu.copy_smem_to_gmem(lse_s.at[pl.ds(0, Rp)], lse_g.at[sp, b, h])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(emit, plgpu.SMEM((ROWS, d), _F32), plgpu.SMEM((ROWS,), _F32))
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((n_split, B, Hk, Rp, d), _F32),
+                  jax.ShapeDtypeStruct((n_split, B, Hk, Rp), _F32)),
+        grid=(B, Hk, n_split),
+        grid_names=("b", "h", "s"),
+        kernel_name="draft_context_attention",    # the kernel's name in profiles
+        interpret=interpret if interpret else None,
+    )
+    o_part, lse_part = kernel(qr, kf, vf, lengths)
+    o, lse = combine_splits(o_part, lse_part)                         # [B, Hk, Rp, d], [B, Hk, Rp]
+    o = jnp.moveaxis(o[:, :, :R].reshape(B, Hk, T, g, d), 2, 1).reshape(B, T, H, d)
+    lse = jnp.moveaxis(lse[:, :, :R].reshape(B, Hk, T, g), 2, 1).reshape(B, T, H)
+    return o, lse
