@@ -27,7 +27,6 @@ def add_kernel_args(ap) -> None:
                              + ("" if on_mesh else " and no --mesh"))
 
 
-
 def add_draft_dtype_arg(ap) -> None:
     """--draft-dtype on an argparse parser (CLI, server, benchmark): lingjax.model.dspark.quantize_draft."""
     ap.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="bf16",

@@ -162,10 +162,11 @@ class DSparkAttention(nnx.Module):
         q = apply_rope(self.q_norm(q), cs, sn, interleaved=False)                   # [B,Bk,H,d]
         k_blk = apply_rope(self.k_norm(k_blk), cs, sn, interleaved=False)           # [B,Bk,kvh,d]
         scale = d ** -0.5
-        if (ATTENTION_KERNEL and ctx_length is not None and dense.uses_kernel(self.q_proj, "weight", b * bk)
-                and _context_kernel_fits(q.astype(x.dtype), k_ctx, bk * g)):
-            o = self._kernel_attention(q.astype(x.dtype), k_blk, v_blk, k_ctx, v_ctx, ctx_length, scale)
-            return self.o_proj(o.reshape(b, bk, kvh * g, d).astype(x.dtype))
+        if ATTENTION_KERNEL and ctx_length is not None and dense.uses_kernel(self.q_proj, "weight", b * bk):
+            qx = q.astype(x.dtype)
+            if _context_kernel_fits(qx, k_ctx, bk * g):
+                o = self._kernel_attention(qx, k_blk, v_blk, k_ctx, v_ctx, ctx_length, scale)
+                return self.o_proj(o.reshape(b, bk, kvh * g, d).astype(x.dtype))
         q = q.reshape(b, bk, kvh, g, d)
         s_ctx = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_ctx.astype(q.dtype), preferred_element_type=acc) * scale
         s_blk = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_blk, preferred_element_type=acc) * scale
@@ -199,9 +200,8 @@ class DSparkAttention(nnx.Module):
         o_b = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
         o_b = (o_b / den[..., None]).reshape(b, bk, h, d)
         lse_b = ((m[..., 0] + jnp.log(den)) * math.log2(math.e)).reshape(b, bk, h)
-        top = jnp.maximum(lse_c, lse_b)                                              # finite (lse_b is)
-        w_c, w_b = jnp.exp2(lse_c - top), jnp.exp2(lse_b - top)
-        return (w_c[..., None] * o_c + w_b[..., None] * o_b) / (w_c + w_b)[..., None]
+        # the block's keys as one more split of the same softmax
+        return draft_attention.combine_splits(jnp.stack([o_c, o_b]), jnp.stack([lse_c, lse_b]))[0]
 
 
 class DSparkMLP(nnx.Module):
