@@ -178,3 +178,18 @@ def mma_add(acc, a, b_ref, interpret):
 ASYNC_K_MINOR = ("fp8_schedule='async' with k_minor=True gave wrong results on the H200 (session 9, run 31: the "
                  "register A operand of a WGMMA still in flight is overwritten by the next tile's conversion); "
                  "use fp8_schedule='serial'")
+
+
+def combine_splits(o_part, lse, axis: int = 0):
+    """Merge the partial softmaxes of flash-decoding splits. o_part [..., n, ..., d] float32 (each
+    split's normalised output; n at ``axis``), lse (o_part's shape without d: log2 of each split's
+    denominator, max included; -inf: that split saw nothing) -> (o, lse) without the split axis
+    (o = 0 and lse = -inf where no split saw anything)."""
+    top = jnp.max(lse, axis=axis, keepdims=True)
+    top_use = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp2(lse - top_use)
+    den = jnp.sum(w, axis=axis)
+    den_use = jnp.where(den > 0, den, 1.0)
+    # a weighted sum over the split axis (one reduce fusion; an einsum would become a batched dot)
+    o = jnp.sum(w[..., None] * o_part, axis=axis) / den_use[..., None]
+    return o, jnp.where(den > 0, jnp.squeeze(top_use, axis) + jnp.log2(den_use), -jnp.inf)

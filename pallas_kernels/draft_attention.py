@@ -25,7 +25,7 @@ Design
   with P as a register A operand (an SMEM tile in interpret mode). A cache whose S is not a
   multiple of 64 reads its last chunk from S - 64 and masks what an earlier chunk covered.
 * Each program writes its split's normalised o [rows, d] and lse [rows] (float32); XLA combines
-  the splits (``combine_splits``), as for the MLA decode kernel.
+  the splits (``common.combine_splits``), as for the MLA decode kernel.
 
 Where it helps: the XLA path writes float32 scores [H, S, T] per layer (9.5 MB at the published
 draft's 32 heads and a 9,280-position cache), re-reads them for the max, the exponentials and the
@@ -46,9 +46,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import a_operand, mma_add, pdl_wait, store, swizzled
+from pallas_kernels.common import a_operand, combine_splits, mma_add, pdl_wait, store, swizzled
 
-__all__ = ["MAX_T", "BLOCK_S", "context_attention_pallas", "context_attention_reference", "combine_splits",
+__all__ = ["MAX_T", "BLOCK_S", "context_attention_pallas", "context_attention_reference",
            "pick_splits"]
 
 MAX_T = 16                # block tokens per call
@@ -62,18 +62,6 @@ _LOG2E = math.log2(math.e)
 def pick_splits(B: int, Hk: int, chunks: int) -> int:
     """Context splits: about TARGET_PROGRAMS programs, at most one per chunk."""
     return max(1, min(chunks, TARGET_PROGRAMS // max(1, B * Hk)))
-
-
-def combine_splits(o_part, lse):
-    """o_part [n, ..., d] float32 (each split's normalised output), lse [n, ...] (log2 of each split's
-    denominator, max included; -inf: nothing seen) -> (o [..., d], lse [...]) over all splits (o = 0
-    and lse = -inf where no split saw anything)."""
-    top = jnp.max(lse, axis=0)
-    top_use = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp2(lse - top_use)                                   # [n, ...]
-    den = jnp.sum(w, axis=0)
-    o = jnp.sum(w[..., None] * o_part, axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
-    return o, jnp.where(den > 0, top_use + jnp.log2(jnp.where(den > 0, den, 1.0)), -jnp.inf)
 
 
 def context_attention_reference(q, k, v, length, scale: float):

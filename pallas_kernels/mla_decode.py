@@ -68,9 +68,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import a_operand, mma_add, pdl_wait, store, swizzled
+from pallas_kernels.common import a_operand, combine_splits, mma_add, pdl_wait, store, swizzled
 
-__all__ = ["BLOCK_ROWS", "MAX_T", "WARPGROUPS", "combine_splits", "mla_decode_attention_pallas", "pick_block_s",
+__all__ = ["BLOCK_ROWS", "MAX_T", "WARPGROUPS", "mla_decode_attention_pallas", "pick_block_s",
            "pick_splits", "warpgroups_for"]
 
 BLOCK_ROWS = 64           # query rows per program (one WGMMA M)
@@ -432,13 +432,4 @@ def mla_decode_attention_pallas(q_lat, q_rope, latent, k_rope, pos, *, heads: in
         **threads,
     )
     o_part, lse = kernel(ql, qr, latent, k_rope, pos1)
-    return combine_splits(o_part, lse)[:, :R]
-
-
-def combine_splits(o_part, lse):
-    """o_part [B, n, R, L] float32 (each split's normalised output), lse [B, n, R] (log2 of each
-    split's softmax denominator, max included; -inf: the split saw nothing) -> o [B, R, L]."""
-    top = jnp.max(lse, axis=1, keepdims=True)
-    w = jnp.exp2(lse - top)                                   # [B, n, R]
-    # a weighted sum over the split axis (one reduce fusion; an einsum would become a batched dot)
-    return jnp.sum(w[..., None] * o_part, axis=1) / jnp.sum(w, axis=1)[..., None]
+    return combine_splits(o_part, lse, axis=1)[0][:, :R]

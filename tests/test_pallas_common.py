@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.common import E_MIN, X_TOP_EXP, f16_rows, pow2, row_exponent
+from pallas_kernels.common import E_MIN, X_TOP_EXP, combine_splits, f16_rows, pow2, row_exponent
 
 
 def test_pow2_is_exact_over_its_range():
@@ -73,3 +73,19 @@ def test_f16_rows_refuses_a_bound_per_row():
     """x_bound (skinny GEMM, MoE kernels) is one scalar: a per-row array is refused, not broadcast."""
     with pytest.raises(ValueError, match="one scalar"):
         f16_rows(jnp.ones((2, 8), jnp.bfloat16), 8, jnp.ones((2,), jnp.float32))
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_combine_splits_weights_by_each_split_denominator(axis):
+    """Splits with denominators 2^3 and 2^1 (log2 sums 3 and 1) and an empty one (-inf), and a row
+    no split saw (o = 0, lse = -inf)."""
+    o = np.array([[1.0, 1.0], [4.0, 4.0], [0.0, 0.0]], np.float32)[:, None].repeat(2, 1)   # [n=3, R=2, d=2]
+    lse = np.array([[3.0, -np.inf], [1.0, -np.inf], [-np.inf, -np.inf]], np.float32)      # [n, R]
+    if axis == 1:
+        o, lse = o[None], lse[None]                                                      # [B=1, n, R, d]
+    got_o, got_lse = combine_splits(jnp.asarray(o), jnp.asarray(lse), axis=axis)
+    got_o, got_lse = np.asarray(got_o).reshape(2, 2), np.asarray(got_lse).reshape(2)
+    np.testing.assert_allclose(got_o[0], (8 * 1 + 2 * 4) / 10, rtol=1e-6)
+    np.testing.assert_allclose(got_lse[0], np.log2(10.0), rtol=1e-6)
+    np.testing.assert_array_equal(got_o[1], 0.0)
+    assert got_lse[1] == -np.inf

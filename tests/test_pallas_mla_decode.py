@@ -19,7 +19,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from helpers import assert_no_race_flagged, interpret_only, rel  # noqa: E402
 from lingjax.ops.mla import absorbed_attention  # noqa: E402
-from pallas_kernels.mla_decode import (WARPGROUPS, combine_splits, mla_decode_attention_pallas, pick_splits,  # noqa: E402
+from pallas_kernels.mla_decode import (WARPGROUPS, mla_decode_attention_pallas, pick_splits,  # noqa: E402
                                        warpgroups_for)
 
 BF16 = jnp.bfloat16
@@ -129,14 +129,6 @@ def test_split_count_changes_only_rounding():
     args = _inputs(1, 2, 4, 32, 16, 128, seed=3)
     outs = [_run(args, 120, 4, 0.2, splits=n, block_s=16) for n in (1, 2, 4)]      # 8 chunks
     assert rel(outs[1], outs[0]) <= 2e-3 and rel(outs[2], outs[0]) <= 2e-3
-
-
-def test_combine_splits_weights_by_each_split_denominator():
-    """Two splits with denominators 2^3 and 2^1 (log2 sums 3 and 1) and an empty one (-inf)."""
-    o = np.stack([np.full((1, 2), 1.0), np.full((1, 2), 4.0), np.zeros((1, 2))])[None]      # [1, 3, 1, 2]
-    lse = np.array([[[3.0], [1.0], [-np.inf]]])                                              # [1, 3, 1]
-    got = np.asarray(combine_splits(jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32)))
-    np.testing.assert_allclose(got, np.full((1, 1, 2), (8 * 1 + 2 * 4) / 10), rtol=1e-6)
 
 
 def test_default_splits_fill_the_gpu():

@@ -186,7 +186,7 @@ class DSparkAttention(nnx.Module):
         """The context half on the flash-decoding kernel (o, log2 denominator), the block's own Bk
         keys in XLA, merged exactly (the two softmax halves weighted by their denominators).
         q [B,Bk,H,d] bf16 -> o [B,Bk,H,d] float32."""
-        from pallas_kernels import draft_attention
+        from pallas_kernels import common as kernel_common, draft_attention
         b, bk, h, d = q.shape
         kvh, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
         o_c, lse_c = kernels.shared_call(draft_attention.context_attention_pallas, q, k_ctx, v_ctx,
@@ -201,7 +201,7 @@ class DSparkAttention(nnx.Module):
         o_b = (o_b / den[..., None]).reshape(b, bk, h, d)
         lse_b = ((m[..., 0] + jnp.log(den)) * math.log2(math.e)).reshape(b, bk, h)
         # the block's keys as one more split of the same softmax
-        return draft_attention.combine_splits(jnp.stack([o_c, o_b]), jnp.stack([lse_c, lse_b]))[0]
+        return kernel_common.combine_splits(jnp.stack([o_c, o_b]), jnp.stack([lse_c, lse_b]))[0]
 
 
 class DSparkMLP(nnx.Module):
