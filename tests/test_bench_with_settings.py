@@ -23,14 +23,14 @@ def test_apply_refuses_bad_settings(spec, msg):
 
 def test_main_runs_the_module_after_the_settings(monkeypatch, capsys, tmp_path):
     import lingjax.model.dspark as d
-    monkeypatch.setattr(d, "ATTENTION_KERNEL", d.ATTENTION_KERNEL)
+    monkeypatch.setattr(d, "ATTENTION_KERNEL", True)
     mod = tmp_path / "probe_with_settings.py"
     mod.write_text("import sys\nimport lingjax.model.dspark as d\nprint('seen', d.ATTENTION_KERNEL, sys.argv[1:])\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(sys, "argv", sys.argv[:])
-    with_settings.main(["lingjax.model.dspark:ATTENTION_KERNEL=True", "-m", "probe_with_settings", "--x", "1"])
+    with_settings.main(["lingjax.model.dspark:ATTENTION_KERNEL=False", "-m", "probe_with_settings", "--x", "1"])
     out = capsys.readouterr().out
-    assert "seen True ['--x', '1']" in out
+    assert "seen False ['--x', '1']" in out
 
 
 def test_main_without_a_module_prints_usage(capsys):

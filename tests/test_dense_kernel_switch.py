@@ -34,7 +34,7 @@ from lingjax.config import preset
 from lingjax.dspark_config import DSparkConfig
 from lingjax.generate import build_parser
 from lingjax.loader import LoadError, load_engine
-from lingjax.model import dense
+from lingjax.model import dense, dspark
 from lingjax.model.dense import dense_kernel_plan, set_dense_kernel
 from lingjax.model.dspark import DSparkDraft, draft_projections, quantize_draft
 from lingjax.model.kernels import pallas_cross_lowering
@@ -274,8 +274,8 @@ def test_fp8_draft_at_flash_shapes():
                                          S((dcfg.vocab_size, dcfg.hidden_size), BF16)).lower(
             lowering_platforms=("cuda",)).as_text()
     # fc, the context's k + v per layer (5), the block's q + k + v, o, gate + up, down per layer (20),
-    # markov_w2 (once: the chain is a scan)
-    assert kernel_module_size.launches(text) == 1 + 5 + 20 + 1
+    # the context attention per layer (5: dspark.ATTENTION_KERNEL), markov_w2 (once: the chain is a scan)
+    assert kernel_module_size.launches(text) == 1 + 5 + 20 + 5 * dspark.ATTENTION_KERNEL + 1
 
 
 def test_fp8_operands_are_the_block_grid():

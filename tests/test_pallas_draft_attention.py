@@ -162,6 +162,7 @@ def test_draft_block_pass_with_the_kernel_matches_xla(monkeypatch):
         return block
 
     with kernel_mode():
+        monkeypatch.setattr(dspark, "ATTENTION_KERNEL", False)
         ref = jax.jit(make_block())()
         assert kernel_calls(make_block(), name="context_attention_pallas") == 0
         monkeypatch.setattr(dspark, "ATTENTION_KERNEL", True)
