@@ -52,15 +52,17 @@ Design
   kernels leave each chunk's WGMMA in flight while the next chunk converts (the pipeline releases a
   chunk's buffers one step late). The f16 rounding of scale and product (2**-11 relative each) is
   finer than the reference's bf16 dequantisation; block scales must stay below 0.14 (common.py).
-* ``k_minor=True`` (session 8; CPU-checked, not yet run on a GPU): the weights with the
+* ``k_minor=True`` (session 8; the model's layout since session 9): the weights with the
   contraction axis minor (w_gate_up [E, 2, F, D], w_down [E, D, F]: the published checkpoint's
   orientation). Each tile [64, 128] then lies as a WGMMA A operand wants it: bf16 tiles go from the
   TMA buffer unchanged; fp8 tiles are loaded 4 bytes per thread, converted (kernel 1: exact f16;
   kernel 2: f32 * scale -> bf16) and relaid to the WGMMA layout in registers, and the WGMMA takes
   A from registers: no 16-bit SMEM tile, a third of the shared-memory traffic, and SMEM for 3 CTAs
   per SM. Kernel 2 then owns 64 rows of D per program (the register tile). Mosaic GPU's interpret
-  mode (jax 0.12) cannot take a register A operand, so there the operand goes through an SMEM tile
-  (`common.a_operand`); the register path itself is checked by cross-lowering (and, next, the H200).
+  mode cannot take a register A operand, so there the operand goes through an SMEM tile
+  (`common.a_operand`); the register path itself is checked by cross-lowering and on the GPU. The
+  'async' schedule is refused with it (wrong results on the H200: a register operand of a WGMMA in
+  flight was overwritten).
 * An XLA transpose ``act -> [U, 16, F]`` (U*F*16*2 bytes) between the kernels: WGMMA B with
   N = 16 lowers only as a transposed (K-minor) operand, and a register tile cannot be stored
   transposed (both checked by cross-lowering, jax 0.11.2 and 0.12).
@@ -98,23 +100,16 @@ M = 9 with random routing ~ 67 distinct experts ~ 395 MB -> 92 us. bf16: twice t
 
 Status: runs on the H200 (jax 0.11.2): its GPU tests pass at the Ling shape (M in {1, 9, 16},
 independent / shared experts, the SwiGLU clamp, zero-weight slots; tests/test_pallas_moe_experts.py).
-In-loop time (bench/moe_kernel_timing.py, docs/PERFORMANCE.md): bf16 M=1 35 us (63% of 4.3
-TB/s), M=9 207 us (90%; session 4, without the XLA prologue); fp8 (session 8, prologue and shared
-expert included, 4-byte fp8 loads) M=1 45 us (28%), M=9 178 us (53%). Not memory-bound: Nsight
-Compute (session 8, M=9) puts kernel 1 at 58% of DRAM and 70% of the L1/shared-memory pipe with
-2 CTAs of one warpgroup per SM (98 KiB of SMEM each): every fp8 byte crosses shared memory three
-times (TMA in, to registers, as f16 into the WGMMA tile). Leaving the WGMMAs in flight
-(``fp8_schedule='async'``) did not help (M=9 177 vs 186 us, M=1 equal); the next step is the weight
-tile as a register A operand, which needs the weights with D minor (``k_minor=True``, above; the
-model and converter still use the default layout). On CPU (CI):
-interpret mode with race detection against ``experts_gather`` (unselected experts and experts chosen only with weight 0
-poisoned with NaN) and cross-lowering for CUDA at the Ling shape. Tile sizes and
-pipeline depth are first guesses (bf16 could take longer K chunks); per chunk the
-dequantisation, the WGMMA and its wait run back to back (only the TMA loads are pipelined).
-At M = 1 kernel 1's grid (8 experts x 12 column tiles = 96 programs) is under one wave on the
-H200's 132 SMs, so skipped (zero-weight) experts free SMs without shortening the call: expert
-skipping saved nothing end to end (session 5, 6 layers). Programs that each stream several
-experts would turn skipped experts into time.
+Measured (docs/PERFORMANCE.md, "Weight-streaming kernels" and "Full depth with all kernels"):
+isolated, `bench/moe_kernel_timing.py` (session 9, K-minor fp8, shared expert included), M = 9
+152 us (62% of 4.3 TB/s), M = 1 38.6 us; in the full-depth fp8 DSpark step (session 30, run 108)
+kernel 1 moves its bytes at ~4.4 TB/s and kernel 2 at ~3.6 TB/s (the remaining gap: kernel 2;
+neither 128-row programs nor the late scale waits close it). Tile sizes and pipeline depth were
+swept in session 8 (K-major). On CPU (CI): interpret mode with race detection against
+``experts_gather`` (unselected experts and experts chosen only with weight 0 poisoned with NaN) and
+cross-lowering for CUDA at the Ling shape. At M = 1 kernel 1's grid is about one wave on the
+H200's 132 SMs, so skipped (zero-weight) experts free SMs without shortening the call (expert
+skipping saved nothing end to end, session 5).
 Expert ids must lie in [0, E) (not checked: traced).
 """
 
