@@ -1,16 +1,18 @@
 """The DSpark draft's attention over its context cache, split over the context like flash-decoding
 (Pallas Mosaic GPU, `plgpu.kernel`), for blocks of T = 1..16 query tokens.
 
-Contract (the XLA reference is :func:`context_attention_reference`: the context half of
-:class:`lingjax.model.dspark.DSparkAttention`, whose block half stays in XLA):
+Contract (the XLA reference is :func:`context_attention_reference`: the attention of
+:class:`lingjax.model.dspark.DSparkAttention`):
 
     q       [B, T, H, d]    bf16   the block's queries (normed and roped), H = Hk * g
     k, v    [B, S, Hk, d]   bf16   the draft's context cache (normed and roped keys, values)
     length  [B] int32              positions s < length[b] are valid (at most S)
     scale   float                  the softmax scale
-    -> (o [B, T, H, d] float32: softmax_s(scale q . k_s) . v_s over the valid positions,
-        lse [B, T, H] float32: log2 of that softmax's denominator with its max, -inf where no
-        position is valid), so that a caller merges other keys' scores (the block's own) exactly.
+    k_extra, v_extra [B, X, Hk, d] bf16, optional: X <= 64 more keys every query sees (the block's
+                                   own: the draft's block attention is not causal)
+    -> (o [B, T, H, d] float32: softmax_s(scale q . k_s) . v_s over the valid positions and the
+        extra keys, lse [B, T, H] float32: log2 of that softmax's denominator with its max, -inf
+        where no key is valid), so that a caller could merge other keys' scores exactly.
 
 Design
 ------
@@ -24,6 +26,10 @@ Design
   reference rounds its probabilities before P . V), the accumulator rescaled, acc += P . V_chunk
   with P as a register A operand (an SMEM tile in interpret mode). A cache whose S is not a
   multiple of 64 reads its last chunk from S - 64 and masks what an earlier chunk covered.
+* The extra keys (the block's own, session 31): every program loads them by TMA next to its
+  queries, into a zeroed 64-row K / V tile pair, and adds them after its context chunks as one more
+  chunk, masked to the first X columns, and to nothing in all splits but the first (so they count
+  once; the masked chunk is an exact no-op on the online softmax).
 * Each program writes its split's normalised o [rows, d] and lse [rows] (float32); XLA combines
   the splits (``common.combine_splits``), as for the MLA decode kernel.
 
@@ -65,15 +71,18 @@ def pick_splits(B: int, Hk: int, chunks: int) -> int:
     return max(1, min(chunks, TARGET_PROGRAMS // max(1, B * Hk)))
 
 
-def context_attention_reference(q, k, v, length, scale: float):
+def context_attention_reference(q, k, v, length, k_extra=None, v_extra=None, *, scale: float):
     """The XLA reference of the contract above (the same float32 scores and bf16-rounded P as
-    DSparkAttention's XLA path, normalised over the context alone)."""
+    DSparkAttention's XLA path, over the valid context positions and the extra keys)."""
     B, T, H, d = q.shape
-    Hk = k.shape[2]
+    S, Hk = k.shape[1], k.shape[2]
     g = H // Hk
+    valid = jnp.arange(S)[None, :] < jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B,))[:, None]
+    if k_extra is not None:
+        k, v = jnp.concatenate([k, k_extra], 1), jnp.concatenate([v, v_extra], 1)
+        valid = jnp.concatenate([valid, jnp.ones((B, k_extra.shape[1]), bool)], 1)
     qg = q.reshape(B, T, Hk, g, d)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(q.dtype), preferred_element_type=_F32) * scale
-    valid = jnp.arange(k.shape[1])[None, :] < jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B,))[:, None]
     s = jnp.where(valid[:, None, None, None, :], s, -jnp.inf)
     m = s.max(-1, keepdims=True)
     m_use = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -86,10 +95,12 @@ def context_attention_reference(q, k, v, length, scale: float):
     return o.reshape(B, T, H, d), jnp.moveaxis(lse, 3, 1).reshape(B, T, H)
 
 
-def context_attention_pallas(q, k, v, length, scale: float, *, splits: int | None = None, interpret=False):
+def context_attention_pallas(q, k, v, length, k_extra=None, v_extra=None, *, scale: float,
+                             splits: int | None = None, interpret=False):
     """See the module docstring. q [B, T, H, d], k / v [B, S, Hk, d] (bf16), length [B] or a scalar
-    (int32) -> (o [B, T, H, d] float32, lse [B, T, H] float32). ``splits``: context splits (default
-    `pick_splits`); ``interpret``: False (compile for the GPU) or a ``plgpu.InterpretGPUParams``."""
+    (int32), k_extra / v_extra [B, X, Hk, d] (bf16, X <= 64) or None -> (o [B, T, H, d] float32,
+    lse [B, T, H] float32). ``splits``: context splits (default `pick_splits`); ``interpret``: False
+    (compile for the GPU) or a ``plgpu.InterpretGPUParams``."""
     B, T, H, d = q.shape
     S, Hk = k.shape[1], k.shape[2]
     if k.shape != (B, S, Hk, d) or v.shape != k.shape:
@@ -105,6 +116,15 @@ def context_attention_pallas(q, k, v, length, scale: float, *, splits: int | Non
         raise ValueError(f"head_dim={d}: the kernel takes 64 or 128")
     if S < BLOCK_S or S % 8:
         raise ValueError(f"the cache holds S={S} positions; the kernel needs S >= {BLOCK_S} and S % 8 == 0")
+    has_extra = k_extra is not None
+    if has_extra != (v_extra is not None):
+        raise ValueError("give both k_extra and v_extra, or neither")
+    X = k_extra.shape[1] if has_extra else 0
+    if has_extra and (k_extra.shape != (B, X, Hk, d) or v_extra.shape != k_extra.shape
+                      or not 1 <= X <= BLOCK_S or any(jnp.dtype(a.dtype) != _BF for a in (k_extra, v_extra))):
+        raise ValueError(f"k_extra {k_extra.shape}, v_extra {v_extra.shape} ({k_extra.dtype}, {v_extra.dtype}): need "
+                         f"bf16 [B, X, Hk, d] = [{B}, X, {Hk}, {d}] with 1 <= X <= {BLOCK_S}")
+    Xp = -(-X // 8) * 8         # whole 8-row TMA tiles; rows past X are masked
     chunks = -(-S // BLOCK_S)
     n_split = pick_splits(B, Hk, chunks) if splits is None else int(splits)
     if not 1 <= n_split <= chunks:
@@ -116,12 +136,17 @@ def context_attention_pallas(q, k, v, length, scale: float, *, splits: int | Non
     if Rp != R:
         qr = jnp.pad(qr, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
     kf, vf = k.reshape(B, S, Hk * d), v.reshape(B, S, Hk * d)        # free: a kv head's d columns
+    extra = ()
+    if has_extra:
+        pad = ((0, 0), (0, Xp - X), (0, 0), (0, 0))
+        extra = tuple((jnp.pad(a, pad) if Xp != X else a).reshape(B, Xp, Hk * d) for a in (k_extra, v_extra))
     lengths = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B,))
     scale_log2 = float(scale) * _LOG2E
     row = plgpu.Layout.WGMMA.reduce(1)
     bs = BLOCK_S
 
-    def body(q_g, k_g, v_g, len_g, o_g, lse_g):
+    def body(q_g, k_g, v_g, len_g, *refs):
+        kx_g, vx_g, o_g, lse_g = refs if has_extra else (None, None, *refs)
         pdl_wait(interpret)
         b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
         n_len = jnp.minimum(len_g[b], S)
@@ -131,11 +156,21 @@ def context_attention_pallas(q, k, v, length, scale: float, *, splits: int | Non
         hi = jnp.minimum(lo + per, n_need)
         cols = pl.ds(h * d, d)
 
-        def attend(q_s, k_s, v_s, qbar, bars, *p_s):
+        def attend(q_s, k_s, v_s, qbar, bars, *more):
+            kx_s, vx_s, xbar = more[:3] if has_extra else (None, None, None)
+            p_s = more[3:] if has_extra else more
+            zeros = plgpu.layout_cast(jnp.zeros((ROWS, d), _BF), plgpu.Layout.WGMMA)
             if Rp < ROWS:            # rows past the block's: zeros (their results are not written)
-                store(q_s, plgpu.layout_cast(jnp.zeros((ROWS, d), _BF), plgpu.Layout.WGMMA))
+                store(q_s, zeros)
+            if has_extra and Xp < BLOCK_S:    # key rows past the extra ones: zeros (0 * V, never NaN)
+                store(kx_s, zeros)
+                store(vx_s, zeros)
+            if Rp < ROWS or (has_extra and Xp < BLOCK_S):
                 plgpu.commit_smem()
             plgpu.copy_gmem_to_smem(q_g.at[b, h], q_s.at[pl.ds(0, Rp)], qbar.at[0])
+            if has_extra:
+                plgpu.copy_gmem_to_smem(kx_g.at[b, :, cols], kx_s.at[pl.ds(0, Xp)], xbar.at[0])
+                plgpu.copy_gmem_to_smem(vx_g.at[b, :, cols], vx_s.at[pl.ds(0, Xp)], xbar.at[1])
 
             def issue(c, slot):
                 start = jnp.minimum(c * bs, S - bs)
@@ -148,8 +183,29 @@ def context_attention_pallas(q, k, v, length, scale: float, *, splits: int | Non
 
             plgpu.barrier_wait(qbar.at[0])
 
-            def chunk(c, carry):
+            def update(carry, k_tile, v_tile, valid):
+                """The online softmax over one 64-key tile; valid(at) [ROWS, bs] bool: which of its
+                columns count (at: the column index)."""
                 acc, m, l = carry
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, q_s, k_tile.transpose((1, 0)))
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((ROWS, bs), _F32))
+                at = plgpu.broadcasted_iota(jnp.int32, (ROWS, bs), 1, layout=plgpu.Layout.WGMMA)
+                s = jnp.where(valid(at), s * scale_log2, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # a row with nothing seen yet
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                acc = mma_add(acc, a_operand(p.astype(_BF), p_s[0] if p_s else None, interpret), v_tile,
+                              interpret)
+                return acc, m_new, l
+
+            def chunk(c, carry):
                 slot = lax.rem(c - lo, jnp.int32(2))
                 plgpu.barrier_wait(bars.at[2 * slot])
                 plgpu.barrier_wait(bars.at[2 * slot + 1])
@@ -158,28 +214,19 @@ def context_attention_pallas(q, k, v, length, scale: float, *, splits: int | Non
                 def _():
                     issue(c + 1, 1 - slot)
 
-                def qk(s_ref):
-                    plgpu.wgmma(s_ref, q_s, k_s.at[slot].transpose((1, 0)))
-                    return s_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((ROWS, bs), _F32))
                 start = jnp.minimum(c * bs, S - bs)
-                at = start + plgpu.broadcasted_iota(jnp.int32, (ROWS, bs), 1, layout=plgpu.Layout.WGMMA)
-                s = jnp.where((at >= c * bs) & (at < n_len), s * scale_log2, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)     # a row with nothing seen yet
-                alpha = jnp.exp2(m - m_use)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-                l = l * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                acc = mma_add(acc, a_operand(p.astype(_BF), p_s[0] if p_s else None, interpret), v_s.at[slot],
-                              interpret)
-                return acc, m_new, l
+                return update(carry, k_s.at[slot], v_s.at[slot],
+                              lambda at: (start + at >= c * bs) & (start + at < n_len))
 
             init = (plgpu.layout_cast(jnp.zeros((ROWS, d), _F32), plgpu.Layout.WGMMA),
                     plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, _F32), row),
                     plgpu.layout_cast(jnp.zeros((ROWS,), _F32), row))
-            return lax.fori_loop(lo, hi, chunk, init)
+            carry = lax.fori_loop(lo, hi, chunk, init)
+            if has_extra:            # counted by the first split only
+                plgpu.barrier_wait(xbar.at[0])
+                plgpu.barrier_wait(xbar.at[1])
+                carry = update(carry, kx_s, vx_s, lambda at: (at < X) & (sp == 0))
+            return carry
 
         acc, m, l = pl.run_scoped(
             attend,
@@ -188,6 +235,9 @@ def context_attention_pallas(q, k, v, length, scale: float, *, splits: int | Non
             plgpu.SMEM((2, bs, d), _BF, transforms=swizzled(d)),                      # V chunks
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=4),
+            *((plgpu.SMEM((bs, d), _BF, transforms=swizzled(d)),                      # the extra keys
+               plgpu.SMEM((bs, d), _BF, transforms=swizzled(d)),                      # and values
+               plgpu.Barrier(num_barriers=2)) if has_extra else ()),
             *([plgpu.SMEM((ROWS, bs), _BF, transforms=swizzled(bs))] if interpret else []),   # P
         )
 
@@ -211,7 +261,7 @@ def context_attention_pallas(q, k, v, length, scale: float, *, splits: int | Non
         kernel_name="draft_context_attention",    # the kernel's name in profiles
         interpret=interpret if interpret else None,
     )
-    o_part, lse_part = kernel(qr, kf, vf, lengths)
+    o_part, lse_part = kernel(qr, kf, vf, lengths, *extra)
     o, lse = combine_splits(o_part, lse_part)                         # [B, Hk, Rp, d], [B, Hk, Rp]
     o = jnp.moveaxis(o[:, :, :R].reshape(B, Hk, T, g, d), 2, 1).reshape(B, T, H, d)
     lse = jnp.moveaxis(lse[:, :, :R].reshape(B, Hk, T, g), 2, 1).reshape(B, T, H)

@@ -4,9 +4,11 @@ use in the draft (lingjax.model.dspark.ATTENTION_KERNEL).
 On CPU: Mosaic GPU interpret mode with race detection against the XLA reference and a float64
 softmax, over token counts, grouped query heads, context lengths (zero, within the first chunk,
 whole chunks, a cache whose size is not a multiple of the chunk), context splits (empty ones
-included); what lies past the valid length cannot change the output; cross-lowering for CUDA at
-the published draft's shape; the draft's block pass with the kernel against its XLA path. On a GPU
-(JAX_PLATFORMS=cuda; skipped elsewhere): the compiled kernel at the published draft's shape.
+included), with and without extra keys (the block's own: X = 8, and 5, not whole TMA tiles);
+what lies past the valid length cannot change the output; cross-lowering for CUDA at the published
+draft's shape; the draft's block pass with the kernel (the block's keys in XLA, and in the kernel:
+dspark.BLOCK_KEYS_IN_KERNEL) against its XLA path. On a GPU (JAX_PLATFORMS=cuda; skipped
+elsewhere): the compiled kernel at the published draft's shape, with and without extra keys.
 """
 
 import jax
@@ -39,14 +41,26 @@ def _inputs(B, T, H, Hk, d, S, seed=0):
     return tuple(jax.random.normal(k, sh, F32).astype(BF16) for k, sh in zip(r, shapes))
 
 
-def _float64(q, k, v, length, scale):
+def _extra(B, X, Hk, d, seed):
+    """(k_extra, v_extra) [B, X, Hk, d] bf16, or None for X = 0."""
+    if not X:
+        return None, None
+    r = jax.random.split(jax.random.PRNGKey(100 + seed), 2)
+    return tuple(jax.random.normal(key, (B, X, Hk, d), F32).astype(BF16) for key in r)
+
+
+def _float64(q, k, v, length, scale, k_extra=None, v_extra=None):
     """(o, lse) in float64 numpy, no bf16 rounding of P: the oracle both paths approximate."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     B, T, H, d = q.shape
     g = H // k.shape[2]
+    valid = np.arange(k.shape[1])[None, :] < np.broadcast_to(np.asarray(length), (B,))[:, None]
+    if k_extra is not None:
+        k = np.concatenate([k, np.asarray(k_extra, np.float64)], 1)
+        v = np.concatenate([v, np.asarray(v_extra, np.float64)], 1)
+        valid = np.concatenate([valid, np.ones((B, k_extra.shape[1]), bool)], 1)
     kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)          # [B, S, H, d]
     s = np.einsum("bthd,bshd->bhts", q, kk) * scale
-    valid = np.arange(k.shape[1])[None, :] < np.broadcast_to(np.asarray(length), (B,))[:, None]
     s = np.where(valid[:, None, None, :], s, -np.inf)
     m = s.max(-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
@@ -58,28 +72,32 @@ def _float64(q, k, v, length, scale):
     return o, np.moveaxis(lse, 1, 2)
 
 
-CASES = [  # B, T, H, Hk, d, S, lengths, splits
-    (1, 8, 4, 4, 128, 256, [200], 2),
-    (1, 8, 4, 4, 128, 200, [200], 3),        # S not a multiple of 64: the last chunk read from S - 64
-    (2, 3, 4, 2, 64, 128, [77, 5], 2),       # grouped heads (g = 2), rows padded to 8, two batch rows
-    (1, 16, 2, 2, 64, 128, [128], 2),        # T = 16
-    (1, 8, 8, 2, 128, 192, [64], 3),         # g = 4: 32 rows; an empty split
-    (2, 1, 2, 2, 128, 64, [0, 64], 1),       # nothing valid in one row: o = 0, lse = -inf
+CASES = [  # B, T, H, Hk, d, S, lengths, splits, X (extra keys)
+    (1, 8, 4, 4, 128, 256, [200], 2, 0),
+    (1, 8, 4, 4, 128, 200, [200], 3, 0),     # S not a multiple of 64: the last chunk read from S - 64
+    (2, 3, 4, 2, 64, 128, [77, 5], 2, 0),    # grouped heads (g = 2), rows padded to 8, two batch rows
+    (1, 16, 2, 2, 64, 128, [128], 2, 0),     # T = 16
+    (1, 8, 8, 2, 128, 192, [64], 3, 0),      # g = 4: 32 rows; an empty split
+    (2, 1, 2, 2, 128, 64, [0, 64], 1, 0),    # nothing valid in one row: o = 0, lse = -inf
+    (1, 8, 4, 4, 128, 256, [200], 3, 8),     # the block's 8 keys as extra keys
+    (2, 3, 4, 2, 64, 128, [77, 5], 2, 5),    # 5 extra keys (padded to a TMA tile), grouped heads
+    (2, 8, 2, 2, 128, 128, [0, 64], 2, 8),   # extra keys only in one row (no valid context), empty splits
 ]
 
 
-@pytest.mark.parametrize("B,T,H,Hk,d,S,lengths,splits", CASES)
+@pytest.mark.parametrize("B,T,H,Hk,d,S,lengths,splits,X", CASES)
 @interpret_only
-def test_interpret_matches_reference_and_float64(B, T, H, Hk, d, S, lengths, splits):
+def test_interpret_matches_reference_and_float64(B, T, H, Hk, d, S, lengths, splits, X):
     q, k, v = _inputs(B, T, H, Hk, d, S, seed=B + T + S)
+    kx, vx = _extra(B, X, Hk, d, seed=S)
     length = jnp.asarray(lengths, jnp.int32)
     scale = d ** -0.5
-    o, lse = context_attention_pallas(q, k, v, length, scale, splits=splits, interpret=INTERPRET)
+    o, lse = context_attention_pallas(q, k, v, length, kx, vx, scale=scale, splits=splits, interpret=INTERPRET)
     o, lse = jax.block_until_ready((o, lse))
     assert_no_race_flagged()
-    ro, rl = context_attention_reference(q, k, v, length, scale)
-    fo, fl = _float64(q, k, v, length, scale)
-    seen = np.asarray(lengths) > 0
+    ro, rl = context_attention_reference(q, k, v, length, kx, vx, scale=scale)
+    fo, fl = _float64(q, k, v, length, scale, kx, vx)
+    seen = (np.asarray(lengths) > 0) | (X > 0)
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.broadcast_to(seen[:, None, None], lse.shape))
     np.testing.assert_array_equal(np.asarray(o)[~seen], 0.0)
     if seen.any():
@@ -96,7 +114,7 @@ def test_positions_past_the_length_do_not_matter():
     length = jnp.asarray([130], jnp.int32)
     noise = jax.random.normal(jax.random.PRNGKey(9), k.shape, F32).astype(BF16) * 100
     past = (jnp.arange(256) >= 130)[None, :, None, None]
-    run = lambda kk, vv: context_attention_pallas(q, kk, vv, length, 0.09, splits=3, interpret=INTERPRET)  # noqa: E731
+    run = lambda kk, vv: context_attention_pallas(q, kk, vv, length, scale=0.09, splits=3, interpret=INTERPRET)  # noqa: E731
     a = run(k, v)
     b = run(jnp.where(past, noise, k), jnp.where(past, noise, v))
     np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
@@ -106,17 +124,24 @@ def test_positions_past_the_length_do_not_matter():
 def test_rejects_bad_inputs():
     q, k, v = _inputs(1, 8, 4, 4, 128, 128)
     with pytest.raises(ValueError, match="bfloat16"):
-        context_attention_pallas(q.astype(F32), k, v, 3, 0.1)
+        context_attention_pallas(q.astype(F32), k, v, 3, scale=0.1)
     with pytest.raises(ValueError, match="kv heads"):
-        context_attention_pallas(_inputs(1, 8, 3, 2, 128, 128)[0], *_inputs(1, 8, 4, 2, 128, 128)[1:], 3, 0.1)
+        context_attention_pallas(_inputs(1, 8, 3, 2, 128, 128)[0], *_inputs(1, 8, 4, 2, 128, 128)[1:], 3, scale=0.1)
     with pytest.raises(ValueError, match="rows"):
-        context_attention_pallas(*_inputs(1, 9, 8, 1, 128, 128), 3, 0.1)           # 72 rows > 64
+        context_attention_pallas(*_inputs(1, 9, 8, 1, 128, 128), 3, scale=0.1)           # 72 rows > 64
     with pytest.raises(ValueError, match="head_dim"):
-        context_attention_pallas(*_inputs(1, 8, 2, 2, 32, 128), 3, 0.1)
+        context_attention_pallas(*_inputs(1, 8, 2, 2, 32, 128), 3, scale=0.1)
     with pytest.raises(ValueError, match="S % 8"):
-        context_attention_pallas(*_inputs(1, 8, 2, 2, 64, 100), 3, 0.1)
+        context_attention_pallas(*_inputs(1, 8, 2, 2, 64, 100), 3, scale=0.1)
     with pytest.raises(ValueError, match="splits"):
-        context_attention_pallas(q, k, v, 3, 0.1, splits=3)                         # 2 chunks
+        context_attention_pallas(q, k, v, 3, scale=0.1, splits=3)                         # 2 chunks
+    kx, vx = _extra(1, 8, 4, 128, seed=0)
+    with pytest.raises(ValueError, match="neither"):
+        context_attention_pallas(q, k, v, 3, kx, scale=0.1)
+    with pytest.raises(ValueError, match="X <= 64"):
+        context_attention_pallas(q, k, v, 3, *_extra(1, 65, 4, 128, seed=0), scale=0.1)
+    with pytest.raises(ValueError, match="bf16"):
+        context_attention_pallas(q, k, v, 3, kx.astype(F32), vx, scale=0.1)
 
 
 def test_default_splits_fill_the_gpu():
@@ -125,12 +150,14 @@ def test_default_splits_fill_the_gpu():
     assert pick_splits(4, 128, 145) == 1
 
 
-def test_cross_lowers_for_cuda_published_shape():
+@pytest.mark.parametrize("extra", [False, True])
+def test_cross_lowers_for_cuda_published_shape(extra):
     p = PUBLISHED
     S = jax.ShapeDtypeStruct
-    args = (S((1, p["T"], p["H"], p["d"]), BF16), S((1, p["S"], p["Hk"], p["d"]), BF16),
-            S((1, p["S"], p["Hk"], p["d"]), BF16), S((1,), jnp.int32))
-    f = jax.jit(lambda *a: context_attention_pallas(*a, p["d"] ** -0.5))
+    kv = S((1, p["S"], p["Hk"], p["d"]), BF16)
+    xs = (S((1, p["T"], p["Hk"], p["d"]), BF16),) * 2 if extra else ()
+    args = (S((1, p["T"], p["H"], p["d"]), BF16), kv, kv, S((1,), jnp.int32), *xs)
+    f = jax.jit(lambda q, k, v, n, *x: context_attention_pallas(q, k, v, n, *x, scale=p["d"] ** -0.5))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1
 
@@ -146,10 +173,13 @@ def _bf16_draft(seed=4):
     return draft
 
 
-def test_draft_block_pass_with_the_kernel_matches_xla(monkeypatch):
+@pytest.mark.parametrize("block_keys_in_kernel", [False, True])
+def test_draft_block_pass_with_the_kernel_matches_xla(monkeypatch, block_keys_in_kernel):
     """ATTENTION_KERNEL: the draft's block pass with the context half on the kernel and the block's
-    own keys merged in XLA gives the XLA pass's hidden states within bf16 rounding (a 96-position
-    context in a 128-row cache: masked positions, a partial chunk), one kernel call per layer."""
+    own keys merged in XLA (or, BLOCK_KEYS_IN_KERNEL, given to the kernel as its extra keys) gives
+    the XLA pass's hidden states within bf16 rounding (a 96-position context in a 128-row cache:
+    masked positions, a partial chunk), one kernel call per layer."""
+    monkeypatch.setattr(dspark, "BLOCK_KEYS_IN_KERNEL", block_keys_in_kernel)
     draft = _bf16_draft()
     rng = np.random.default_rng(1)
     taps = jnp.asarray(rng.normal(size=(1, 96, draft.cfg.tap_dim)), BF16)
@@ -173,11 +203,15 @@ def test_draft_block_pass_with_the_kernel_matches_xla(monkeypatch):
 
 
 @gpu_only
-def test_gpu_published_shape_matches_reference():
+@pytest.mark.parametrize("X", [0, 8])
+def test_gpu_published_shape_matches_reference(X):
     p = PUBLISHED
     q, k, v = _inputs(1, p["T"], p["H"], p["Hk"], p["d"], p["S"], seed=11)
+    xs = tuple(a for a in _extra(1, X, p["Hk"], p["d"], seed=11) if a is not None)
     length = jnp.asarray([8704], jnp.int32)
-    o, lse = jax.jit(lambda *a: context_attention_pallas(*a, p["d"] ** -0.5))(q, k, v, length)
-    ro, rl = jax.jit(lambda *a: context_attention_reference(*a, p["d"] ** -0.5))(q, k, v, length)
+    o, lse = jax.jit(lambda q, k, v, n, *x: context_attention_pallas(q, k, v, n, *x, scale=p["d"] ** -0.5))(
+        q, k, v, length, *xs)
+    ro, rl = jax.jit(lambda q, k, v, n, *x: context_attention_reference(q, k, v, n, *x, scale=p["d"] ** -0.5))(
+        q, k, v, length, *xs)
     assert rel(np.asarray(o), np.asarray(ro)) <= 5e-3
     np.testing.assert_allclose(np.asarray(lse), np.asarray(rl), atol=1e-3)

@@ -121,6 +121,10 @@ class HeadsOut(nnx.Module):
 # 4.463 ms per DSpark step; GPU tests passed). False: the XLA attention (the reference). Read when
 # a program is traced.
 ATTENTION_KERNEL = True
+# With it, the block's own keys go into the kernel as its extra keys (one pass, no XLA attention
+# or merge beside it: session 31, interpret-mode and cross-lowering tests; off until measured on a
+# GPU). False: the block's keys in XLA, merged with the kernel's context result. Read when traced.
+BLOCK_KEYS_IN_KERNEL = False
 
 
 def _context_kernel_fits(q, k_ctx, tokens_per_kv_head: int) -> bool:
@@ -184,15 +188,19 @@ class DSparkAttention(nnx.Module):
         return self.o_proj(o.reshape(b, bk, kvh * g, d).astype(x.dtype))
 
     def _kernel_attention(self, q, k_blk, v_blk, k_ctx, v_ctx, ctx_length, scale):
-        """The context half on the flash-decoding kernel (o, log2 denominator), the block's own Bk
-        keys in XLA, merged exactly (the two softmax halves weighted by their denominators).
-        q [B,Bk,H,d] bf16 -> o [B,Bk,H,d] float32."""
+        """The attention on the flash-decoding kernel. q [B,Bk,H,d] bf16 -> o [B,Bk,H,d] float32.
+        BLOCK_KEYS_IN_KERNEL: the context's valid positions and the block's own Bk keys (the kernel's
+        extra keys) in one pass; else the context on the kernel (o, log2 denominator) and the block's
+        keys in XLA, merged exactly as one more split of the same softmax."""
         from pallas_kernels import common as kernel_common, draft_attention
         b, bk, h, d = q.shape
         kvh, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        extra = (k_blk.astype(q.dtype), v_blk.astype(q.dtype)) if BLOCK_KEYS_IN_KERNEL else ()
         o_c, lse_c = kernels.shared_call(draft_attention.context_attention_pallas, q, k_ctx, v_ctx,
-                                         ctx_length.astype(jnp.int32), scale=float(scale),
+                                         ctx_length.astype(jnp.int32), *extra, scale=float(scale),
                                          interpret=kernels.interpret_arg("dense_kernel"))
+        if BLOCK_KEYS_IN_KERNEL:
+            return o_c
         qg = q.reshape(b, bk, kvh, g, d)
         s = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k_blk.astype(q.dtype), preferred_element_type=jnp.float32) * scale
         m = s.max(-1, keepdims=True)                                                 # finite: Bk >= 1 keys
@@ -201,7 +209,6 @@ class DSparkAttention(nnx.Module):
         o_b = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
         o_b = (o_b / den[..., None]).reshape(b, bk, h, d)
         lse_b = ((m[..., 0] + jnp.log(den)) * math.log2(math.e)).reshape(b, bk, h)
-        # the block's keys as one more split of the same softmax
         return kernel_common.combine_splits(jnp.stack([o_c, o_b]), jnp.stack([lse_c, lse_b]))[0]
 
 
