@@ -39,9 +39,11 @@ sum, and then reads P again for P . V; here K and V are read once and the scores
 
 Status (session 31): interpret-mode tests with race detection against the XLA reference
 (`tests/test_pallas_draft_attention.py`), cross-lowering for CUDA at the published draft's shape,
-and the same tests on an H100 (run 111), where it took a 12-layer DSpark step from 4.514 to 4.463
-ms. The model uses it under ``lingjax.model.dspark.ATTENTION_KERNEL`` (on by default) when the
-draft's projections run on the skinny GEMM (dense_kernel='pallas').
+and the same tests on an H100 (runs 111, 113). There, 12-layer DSpark step: 4.514 ms with the
+draft's attention in XLA, 4.463 with the context on this kernel (the block's keys merged in XLA),
+4.426 with the block's keys as extra keys (run 113's same-call baseline: 4.435). The model uses it
+under ``lingjax.model.dspark.ATTENTION_KERNEL`` (on by default) when the draft's projections run on
+the skinny GEMM (dense_kernel='pallas').
 """
 from __future__ import annotations
 

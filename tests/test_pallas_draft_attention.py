@@ -6,8 +6,7 @@ softmax, over token counts, grouped query heads, context lengths (zero, within t
 whole chunks, a cache whose size is not a multiple of the chunk), context splits (empty ones
 included), with and without extra keys (the block's own: X = 8, and 5, not whole TMA tiles);
 what lies past the valid length cannot change the output; cross-lowering for CUDA at the published
-draft's shape; the draft's block pass with the kernel (the block's keys in XLA, and in the kernel:
-dspark.BLOCK_KEYS_IN_KERNEL) against its XLA path. On a GPU (JAX_PLATFORMS=cuda; skipped
+draft's shape; the draft's block pass with the kernel against its XLA path. On a GPU (JAX_PLATFORMS=cuda; skipped
 elsewhere): the compiled kernel at the published draft's shape, with and without extra keys.
 """
 
@@ -173,13 +172,11 @@ def _bf16_draft(seed=4):
     return draft
 
 
-@pytest.mark.parametrize("block_keys_in_kernel", [False, True])
-def test_draft_block_pass_with_the_kernel_matches_xla(monkeypatch, block_keys_in_kernel):
-    """ATTENTION_KERNEL: the draft's block pass with the context half on the kernel and the block's
-    own keys merged in XLA (or, BLOCK_KEYS_IN_KERNEL, given to the kernel as its extra keys) gives
-    the XLA pass's hidden states within bf16 rounding (a 96-position context in a 128-row cache:
-    masked positions, a partial chunk), one kernel call per layer."""
-    monkeypatch.setattr(dspark, "BLOCK_KEYS_IN_KERNEL", block_keys_in_kernel)
+def test_draft_block_pass_with_the_kernel_matches_xla(monkeypatch):
+    """ATTENTION_KERNEL: the draft's block pass with its attention on the kernel (the context and,
+    as the kernel's extra keys, the block's own keys) gives the XLA pass's hidden states within bf16
+    rounding (a 96-position context in a 128-row cache: masked positions, a partial chunk), one
+    kernel call per layer."""
     draft = _bf16_draft()
     rng = np.random.default_rng(1)
     taps = jnp.asarray(rng.normal(size=(1, 96, draft.cfg.tap_dim)), BF16)

@@ -115,16 +115,13 @@ class HeadsOut(nnx.Module):
         return jnp.einsum("bqhd,hde->bqe", x.astype(w.dtype), w)
 
 
-# The draft's context attention on the flash-decoding kernel (pallas_kernels/draft_attention.py)
-# when its projections run on the skinny GEMM (dense_kernel='pallas') and the shapes fit the
-# kernel (`_context_kernel_fits`). On since session 31 (run 111, one H100, 12 layers: 4.514 ->
-# 4.463 ms per DSpark step; GPU tests passed). False: the XLA attention (the reference). Read when
-# a program is traced.
+# The draft's attention (its context cache and the block's own keys) on the flash-decoding kernel
+# (pallas_kernels/draft_attention.py) when its projections run on the skinny GEMM
+# (dense_kernel='pallas') and the shapes fit the kernel (`_context_kernel_fits`). On since session
+# 31 (one H100, 12 layers, ms per DSpark step: run 111, the context on the kernel and the block's
+# keys merged in XLA, 4.514 -> 4.463; run 113, the block's keys in the kernel too, 4.435 -> 4.426;
+# GPU tests passed). False: the XLA attention (the reference). Read when a program is traced.
 ATTENTION_KERNEL = True
-# With it, the block's own keys go into the kernel as its extra keys (one pass, no XLA attention
-# or merge beside it: session 31, interpret-mode and cross-lowering tests; off until measured on a
-# GPU). False: the block's keys in XLA, merged with the kernel's context result. Read when traced.
-BLOCK_KEYS_IN_KERNEL = False
 
 
 def _context_kernel_fits(q, k_ctx, tokens_per_kv_head: int) -> bool:
@@ -158,7 +155,7 @@ class DSparkAttention(nnx.Module):
     def __call__(self, x, k_ctx, v_ctx, ctx_valid, cos, sin, x_bound: float | None = None, ctx_length=None):
         """x [B, Bk, hidden] (after input_layernorm, whose bound is x_bound); k_ctx/v_ctx [B, M, kvh, d];
         ctx_valid [B, M] bool; cos/sin [B, Bk, d]; ctx_length [B] int32 (ctx_valid's count) or None:
-        with it and ATTENTION_KERNEL the context half may run on the flash-decoding kernel."""
+        with it and ATTENTION_KERNEL the attention may run on the flash-decoding kernel."""
         b, bk, _ = x.shape
         kvh, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         acc = acc_dtype(x.dtype)
@@ -188,28 +185,12 @@ class DSparkAttention(nnx.Module):
         return self.o_proj(o.reshape(b, bk, kvh * g, d).astype(x.dtype))
 
     def _kernel_attention(self, q, k_blk, v_blk, k_ctx, v_ctx, ctx_length, scale):
-        """The attention on the flash-decoding kernel. q [B,Bk,H,d] bf16 -> o [B,Bk,H,d] float32.
-        BLOCK_KEYS_IN_KERNEL: the context's valid positions and the block's own Bk keys (the kernel's
-        extra keys) in one pass; else the context on the kernel (o, log2 denominator) and the block's
-        keys in XLA, merged exactly as one more split of the same softmax."""
-        from pallas_kernels import common as kernel_common, draft_attention
-        b, bk, h, d = q.shape
-        kvh, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
-        extra = (k_blk.astype(q.dtype), v_blk.astype(q.dtype)) if BLOCK_KEYS_IN_KERNEL else ()
-        o_c, lse_c = kernels.shared_call(draft_attention.context_attention_pallas, q, k_ctx, v_ctx,
-                                         ctx_length.astype(jnp.int32), *extra, scale=float(scale),
-                                         interpret=kernels.interpret_arg("dense_kernel"))
-        if BLOCK_KEYS_IN_KERNEL:
-            return o_c
-        qg = q.reshape(b, bk, kvh, g, d)
-        s = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k_blk.astype(q.dtype), preferred_element_type=jnp.float32) * scale
-        m = s.max(-1, keepdims=True)                                                 # finite: Bk >= 1 keys
-        p = jnp.exp(s - m)
-        den = p.sum(-1)                                                              # [B,Bk,kvh,g]
-        o_b = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
-        o_b = (o_b / den[..., None]).reshape(b, bk, h, d)
-        lse_b = ((m[..., 0] + jnp.log(den)) * math.log2(math.e)).reshape(b, bk, h)
-        return kernel_common.combine_splits(jnp.stack([o_c, o_b]), jnp.stack([lse_c, lse_b]))[0]
+        """The attention on the flash-decoding kernel: the context's valid positions and the block's
+        own Bk keys (the kernel's extra keys) in one softmax. q [B,Bk,H,d] bf16 -> o [B,Bk,H,d] float32."""
+        from pallas_kernels import draft_attention
+        return kernels.shared_call(draft_attention.context_attention_pallas, q, k_ctx, v_ctx,
+                                   ctx_length.astype(jnp.int32), k_blk.astype(q.dtype), v_blk.astype(q.dtype),
+                                   scale=float(scale), interpret=kernels.interpret_arg("dense_kernel"))[0]
 
 
 class DSparkMLP(nnx.Module):
