@@ -274,7 +274,7 @@ def test_fp8_draft_at_flash_shapes():
                                          S((dcfg.vocab_size, dcfg.hidden_size), BF16)).lower(
             lowering_platforms=("cuda",)).as_text()
     # fc, the context's k + v per layer (5), the block's q + k + v, o, gate + up, down per layer (20),
-    # the context attention per layer (5: dspark.ATTENTION_KERNEL), markov_w2 (once: the chain is a scan)
+    # the attention kernel per layer (5: dspark.ATTENTION_KERNEL), markov_w2 (once: the chain is a scan)
     assert kernel_module_size.launches(text) == 1 + 5 + 20 + 5 * dspark.ATTENTION_KERNEL + 1
 
 
