@@ -6,8 +6,9 @@ softmax, over token counts, grouped query heads, context lengths (zero, within t
 whole chunks, a cache whose size is not a multiple of the chunk), context splits (empty ones
 included), with and without extra keys (the block's own: X = 8, and 5, not whole TMA tiles);
 what lies past the valid length cannot change the output; cross-lowering for CUDA at the published
-draft's shape; the draft's block pass with the kernel against its XLA path. On a GPU (JAX_PLATFORMS=cuda; skipped
-elsewhere): the compiled kernel at the published draft's shape, with and without extra keys.
+draft's shape; the draft's block pass with the kernel against its XLA path. On a GPU
+(JAX_PLATFORMS=cuda; skipped elsewhere): the compiled kernel at the published draft's shape, with
+and without extra keys.
 """
 
 import jax
@@ -113,7 +114,9 @@ def test_positions_past_the_length_do_not_matter():
     length = jnp.asarray([130], jnp.int32)
     noise = jax.random.normal(jax.random.PRNGKey(9), k.shape, F32).astype(BF16) * 100
     past = (jnp.arange(256) >= 130)[None, :, None, None]
-    run = lambda kk, vv: context_attention_pallas(q, kk, vv, length, scale=0.09, splits=3, interpret=INTERPRET)  # noqa: E731
+    def run(kk, vv):
+        return context_attention_pallas(q, kk, vv, length, scale=0.09, splits=3, interpret=INTERPRET)
+
     a = run(k, v)
     b = run(jnp.where(past, noise, k), jnp.where(past, noise, v))
     np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
