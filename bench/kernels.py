@@ -1,6 +1,6 @@
 """The fused KDA step kernel against the model's XLA path at Ling shapes: time, error, % of the memory floor.
 
-    python -m bench.kernels [--iters 200] [--block-v 16,32,64,128] [--out DIR]
+    python -m bench.kernels [--iters 200] [--block-v 16,32,64,128] [--states 35] [--out DIR]
     python -m bench.kernels --interpret --iters 2      # CPU smoke: interpret mode, small shapes
 
 Cases (B=1, H=32, K=V=128; the input projection, conv window and weights bf16; gate parameters,
@@ -17,7 +17,9 @@ Time: `call` = median of --iters jitted calls, each blocked on (includes dispatc
 jitted lax.fori_loop of --iters calls, 8 per loop iteration (the loop's own cost spread over them),
 each taking the previous call's state and one of 4 input draws in turn (no dispatch, nothing
 loop-invariant to hoist), median of 3 runs / --iters; the chained 4 MiB state may stay in the L2;
-the loop's per-call input selection and plumbing are counted in. `net` (session 21) = the layer
+the loop's per-call input selection and plumbing are counted in. `states` (--states N, session 32):
+the same loop over N distinct states, one call per state per iteration (N = 35, the model's KDA
+layers, keeps the states out of the L2 as in the model). `net` (session 21) = the layer
 benchmarks' in-loop time (bench.kernel_table.time_layer: 8 calls per iteration over the 4 draws,
 each call carrying its own state from iteration to iteration, minus the loop's own per-call cost
 measured with a call that does nothing): the measure the whole-layer benchmarks use. --profile DIR
@@ -70,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run the kernels in Mosaic GPU interpret mode at small shapes (CPU smoke; times meaningless)")
     ap.add_argument("--copy-mib", type=int, default=None,
                     help="size of the bandwidth-probe array (default 1024 MiB on GPU, 8 otherwise)")
+    ap.add_argument("--states", type=int, default=0, metavar="N",
+                    help="also time each row over N distinct states, one call per state per loop iteration "
+                         "(`us/states`; 35 = the model's KDA layers: the states cannot stay in the L2 as the "
+                         "chained single state of `us/loop` can); 0 = off")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     ap.add_argument("--no-xla-defaults", action="store_true", help="do not add the command-buffer XLA flags")
     ap.add_argument("--profile", default=None, metavar="DIR",
@@ -203,6 +209,31 @@ def time_loop(fn, xs_sets, state, iters: int, repeats: int = 3, unroll: int = 8)
     return float(np.median(ts)) / (trips * unroll)
 
 
+def time_loop_states(fn, xs_sets, states, iters: int, repeats: int = 3) -> float:
+    """`time_loop` with len(states) distinct states (the model's 35 KDA layers each have their own):
+    one loop iteration makes one call per state, each carrying its own, so consecutive calls read
+    different 4 MiB states and 35 of them (140 MiB) cannot all stay in the L2 as the chained single
+    state of `time_loop` can. Seconds per call."""
+    import jax
+    from jax import lax
+    import numpy as np
+    n = len(states)
+    pick = lambda i: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i % LOOP_SETS, keepdims=False), xs_sets)
+    trips = max(1, iters // n)
+
+    def body(i, sts):
+        return tuple(fn(pick(i * n + j), sts[j])[-1] for j in range(n))
+
+    run = jax.jit(lambda xs_sets, sts: lax.fori_loop(0, trips, body, sts))
+    jax.block_until_ready(run(xs_sets, states))
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(run(xs_sets, states))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) / (trips * n)
+
+
 def _rel_rmse(a, b):
     import numpy as np
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -219,7 +250,7 @@ def as_layer_call(fn):
 
 
 def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: float,
-             profile: str | None = None) -> list[dict]:
+             profile: str | None = None, states: int = 0) -> list[dict]:
     from bench import kernel_table
     import jax
     import jax.numpy as jnp
@@ -239,6 +270,10 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
             t_call = time_fn(f, (xs, state), iters, 1)[0]
             # interpret mode (CPU smoke): one run of one call per loop trip, the times mean nothing
             t_loop = time_loop(fn, xs_sets, state, iters, **(dict(repeats=1, unroll=1) if interpret else {}))
+            t_states = None
+            if states:   # as many distinct states as the model has KDA layers: none stays in the L2
+                sts = tuple(state + 0.0 * i for i in range(states))
+                t_states = time_loop_states(fn, xs_sets, sts, iters, **(dict(repeats=1) if interpret else {}))
             tag = f"{case.name}-T{case.T}-{label.replace(' ', '_').replace('=', '')}"
             net_draws = draws[:1] if interpret else draws       # interpret mode (smoke): one call per trip
             net = kernel_table.time_layer(as_layer_call(fn), [(*d[0], d[1]) for d in net_draws], iters,
@@ -252,6 +287,7 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
         if is_ref:
             ref_out = outs
         row.update(us_call=t_call * 1e6, us_loop=t_loop * 1e6, us_net=net["layer_us"],
+                   us_states=None if t_states is None else t_states * 1e6, states=states or None,
                    us_net_raw=net["raw_us"], loop_overhead_us=net["loop_overhead_us"],
                    pct_floor_call=100 * floor_s / t_call, pct_floor_loop=100 * floor_s / t_loop,
                    pct_floor_net=100 * floor_s / (net["layer_us"] * 1e-6) if net["layer_us"] > 0 else None,
@@ -282,7 +318,8 @@ def print_table(rows, copy_bw):
     print(f"\ndevice copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)")
     head = (f"{'case':7s} {'T':>3s} {'impl':30s} {'us/call':>9s} {'us/loop':>9s} {'us/net':>8s} {'floor us':>9s} "
             f"{'%floor':>7s} {'max|do|':>9s} {'max|ds|':>9s} {'relo':>8s} {'rels':>8s} "
-            f"{'rmse o64':>9s} {'rmse s64':>9s}")
+            f"{'rmse o64':>9s} {'rmse s64':>9s}" + (f" {'us/states':>9s}" if any(r.get("us_states") is not None
+                                                                                for r in rows) else ""))
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -292,8 +329,9 @@ def print_table(rows, copy_bw):
         print(f"{r['case']:7s} {r['T']:3d} {r['impl']:30s} {r['us_call']:9.2f} {r['us_loop']:9.2f} {r['us_net']:8.2f} "
               f"{r['floor_us']:9.3f} {r['pct_floor_loop']:6.1f}% {_fmt(r['max_abs_o'], '9.2e')} "
               f"{_fmt(r['max_abs_s'], '9.2e')} {_fmt(r['max_rel_o'], '8.1e')} {_fmt(r['max_rel_s'], '8.1e')} "
-              f"{_fmt(r['rmse_o_f64'], '9.1e')} {_fmt(r['rmse_s_f64'], '9.1e')}")
-    print("%floor: of the loop time; us/net: in-loop minus the loop's own cost (module docstring); max|d.|, "
+              f"{_fmt(r['rmse_o_f64'], '9.1e')} {_fmt(r['rmse_s_f64'], '9.1e')}"
+              + (f" {r['us_states']:9.2f}" if r.get("us_states") is not None else ""))
+    print("%floor: of the loop time; us/states: the loop over --states distinct states; us/net: in-loop minus the loop's own cost (module docstring); max|d.|, "
           "rel.: vs the XLA row of the case; rmse .64: relative RMSE vs the float64 reference (a verify writes "
           "no state)\n")
 
@@ -303,6 +341,8 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if a.iters < 1:
         ap.error(f"--iters must be >= 1, got {a.iters}")
+    if a.states < 0:
+        ap.error(f"--states must be >= 0 (0: off), got {a.states}")
     block_vs = int_list(ap, a.block_v, "--block-v") or [None]
     if not a.no_xla_defaults:
         xla_env.configure()
@@ -324,7 +364,7 @@ def main(argv=None) -> dict:
     rows = []
     for case in CASES:
         print(f"{case.name} T={case.T} ...", file=sys.stderr, flush=True)
-        rows.extend(run_case(case, shape, block_vs, interpret, a.iters, copy_bw, a.profile))
+        rows.extend(run_case(case, shape, block_vs, interpret, a.iters, copy_bw, a.profile, a.states))
     print_table(rows, copy_bw)
     rec = {"bench": "kernels", "shape": {**shape, "V": shape["K"]}, "interpret": a.interpret,
            "input_dtypes": {"proj,window,conv_w": "bfloat16", "A_log,dt_bias,beta,state": "float32"},

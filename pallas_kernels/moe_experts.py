@@ -152,6 +152,11 @@ WEIGHTS_IN_ACT = True
 # bit (GPU test). On since session 30: 12 layers, fp8, DSpark tau 5.29, one H100, same call (run
 # 109): 4.624 / 4.621 ms per step without, 4.600 with. Read at trace time.
 LATE_SCALE_WAITS = True
+# Kernel 2's pipeline depth (chunks in flight per program; None: the call's ``stages``). Its
+# programs are short (K-minor fp8 at Ling's shape: six 8 KiB chunks of w_down each), so at
+# ``stages`` = 3 each program's first loads start cold after the previous program's last; with 6
+# the whole program's weights are requested at once. Session 32 experiment (read at trace time).
+DOWN_STAGES = None
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
 _WG = plgpu.Layout.WGMMA
 
@@ -775,7 +780,7 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     if WEIGHTS_IN_ACT:       # token m's weight for slot u on its activations (fused into the transpose)
         wpad = jnp.zeros((wu.shape[0], MAX_M), _F32).at[:, :M].set(wu)
         act_t = (act_t.astype(_F32) * wpad[:, :, None]).astype(_BF)
-    yu = _down(table, act_t, w_down, su_d, split_f, stages, interpret, sh2,
+    yu = _down(table, act_t, w_down, su_d, split_f, DOWN_STAGES or stages, interpret, sh2,
                fp8_async, k_minor)                                              # [split, U, D, MAX_M]
     if WEIGHTS_IN_ACT:
         return yu.astype(_F32).sum((0, 1))[:, :M].T.astype(x.dtype)

@@ -11,9 +11,9 @@ BASE = ["--interpret", "--iters", "2", "--no-xla-defaults", "--copy-mib", "4"]
 
 
 def test_kernels_smoke(tmp_path, capsys):
-    rec = kernels.main(BASE + ["--block-v", "16", "--out", str(tmp_path)])   # one variant: interpret mode is slow
+    rec = kernels.main(BASE + ["--block-v", "16", "--states", "2", "--out", str(tmp_path)])   # one variant: slow
     out = capsys.readouterr().out
-    assert "us/call" in out and "%floor" in out
+    assert "us/call" in out and "%floor" in out and "us/states" in out
     assert json.loads(out.strip().splitlines()[-1])["bench"] == "kernels"
     saved = json.loads(open(rec["result_path"]).read())
     assert saved["interpret"] and saved["shape"] == {"B": 1, "H": 2, "K": 64, "V": 64} and "env" in saved
@@ -26,6 +26,7 @@ def test_kernels_smoke(tmp_path, capsys):
         ("commit", 9, "pallas bv=16 in place")]
     for r in rows:
         assert r["us_call"] > 0 and r["us_loop"] > 0 and r["bytes"] > 2 * 64 * 64 * 4
+        assert r["us_states"] > 0 and r["states"] == 2
         assert r["us_net_raw"] > 0 and r["us_net"] == pytest.approx(r["us_net_raw"] - r["loop_overhead_us"])
         verify = r["case"] == "verify"
         assert r["rmse_s_f64"] is None if verify else r["rmse_s_f64"] <= 1e-2    # XLA rows: bf16 rounding
@@ -39,6 +40,7 @@ def test_kernels_smoke(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra,msg", [
     (["--iters", "0"], "--iters must be >= 1"),
+    (["--states", "-1"], "--states must be >= 0"),
     (["--block-v", "24"], "--block-v 24 must divide"),
     (["--block-v", "a,b"], "comma-separated integers"),
 ])

@@ -23,6 +23,7 @@ from helpers import assert_no_race_flagged, interpret_only  # noqa: E402
 from lingjax.ops.moe import experts_gather  # noqa: E402
 from lingjax.param_layout import Matrix  # noqa: E402
 from lingjax.quant import FP8, Fp8Weight  # noqa: E402
+import pallas_kernels.common as common_mod  # noqa: E402
 import pallas_kernels.moe_experts as moe_experts_mod  # noqa: E402
 from pallas_kernels.moe_experts import (dedupe_experts, moe_experts_pallas, moe_split, scale_at,  # noqa: E402
                                         scale_rows, weight_bytes)
@@ -428,13 +429,27 @@ def test_interpret_weights_in_act_match(monkeypatch, M, split_d, split_f, with_s
     _check(out, ref, 2e-2)
 
 
+# schedule switches of the kernels that must not change a bit of the output: (module global, the
+# setting compared against, the setting tested)
+SCHEDULE_SWITCHES = [("LATE_SCALE_WAITS", False, True), ("DOWN_STAGES", None, 6), ("A_REGS_LOAD", "upcast2x", "wgmma"),
+                     ("DOWN_STAGES", None, 2)]
+
+
+def _switch_module(name):
+    """The module whose global `name` is the switch (A_REGS_LOAD: pallas_kernels.common)."""
+    return common_mod if name == "A_REGS_LOAD" else moe_experts_mod
+
+
+@pytest.mark.parametrize("switch,base_value,value", SCHEDULE_SWITCHES)
 @pytest.mark.parametrize("M,split_d,split_f,with_shared,k_minor", [(9, 1, 1, True, True), (1, 4, 1, True, True),
                                                                    (3, 2, 2, False, False), (9, 1, 1, False, False)])
 @interpret_only
-def test_interpret_late_scale_waits_match(monkeypatch, M, split_d, split_f, with_shared, k_minor):
-    """LATE_SCALE_WAITS: the scale copies awaited where they are first read give the same output,
-    bit for bit, as awaiting them before the weight pipelines (fp8, repeated experts and padding
-    slots, the shared slot, split reductions, both weight layouts)."""
+def test_interpret_schedule_switches_match(monkeypatch, M, split_d, split_f, with_shared, k_minor, switch,
+                                           base_value, value):
+    """Schedule switches give the same output, bit for bit (fp8, repeated experts and padding slots,
+    the shared slot, split reductions, both weight layouts): LATE_SCALE_WAITS (the scale copies
+    awaited where they are first read, not before the weight pipelines) and DOWN_STAGES (kernel 2's
+    pipeline depth, here also deeper than a program's chunk count)."""
     E, k, D, F = 16, 4, 512, 256
     vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=61 + M)
     orient = _k_minor if k_minor else (lambda *a: a)
@@ -443,9 +458,9 @@ def test_interpret_late_scale_waits_match(monkeypatch, M, split_d, split_f, with
     idx, w = _routing(M, k, E, "overlap", seed=M + 13)
     x = jax.random.normal(jax.random.PRNGKey(M + 31), (M, D), F32).astype(BF16)
     kw = dict(split_d=split_d, split_f=split_f, k_minor=k_minor, shared=shared, interpret=INTERPRET)
-    monkeypatch.setattr(moe_experts_mod, "LATE_SCALE_WAITS", False)
+    monkeypatch.setattr(_switch_module(switch), switch, base_value)
     base = jax.block_until_ready(moe_experts_pallas(x, idx, w, *routed, 0.02, **kw))
-    monkeypatch.setattr(moe_experts_mod, "LATE_SCALE_WAITS", True)
+    monkeypatch.setattr(_switch_module(switch), switch, value)
     out = jax.block_until_ready(moe_experts_pallas(x, idx, w, *routed, 0.02, **kw))
     assert_no_race_flagged()
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(base, np.float32))
@@ -626,12 +641,14 @@ def test_k_minor_cross_lowers_for_cuda_with_shared_expert(M, kind):
     assert text.count("mosaic_gpu") >= 2
 
 
-@pytest.mark.parametrize("late", [True, False])
+@pytest.mark.parametrize("switch,value", [("LATE_SCALE_WAITS", True), ("LATE_SCALE_WAITS", False),
+                                          ("DOWN_STAGES", 6), ("DOWN_STAGES", 4), ("A_REGS_LOAD", "wgmma")])
 @pytest.mark.parametrize("M", [1, 9])
-def test_late_scale_waits_cross_lower_for_cuda(monkeypatch, M, late):
-    """Both LATE_SCALE_WAITS settings (on: a barrier wait inside the pipelines' first step) lower for
-    CUDA at the Ling shape, k_minor fp8 with the shared expert, as the model runs it."""
-    monkeypatch.setattr(moe_experts_mod, "LATE_SCALE_WAITS", late)
+def test_schedule_switches_cross_lower_for_cuda(monkeypatch, M, switch, value):
+    """The schedule switches' settings (LATE_SCALE_WAITS on: a barrier wait inside the pipelines'
+    first step; DOWN_STAGES: kernel 2's pipeline depth) lower for CUDA at the Ling shape, k_minor
+    fp8 with the shared expert, as the model runs it."""
+    monkeypatch.setattr(_switch_module(switch), switch, value)
     E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
     S = jax.ShapeDtypeStruct
     args = (S((M, D), BF16), S((M, k), jnp.int32), S((M, k), F32), S((E, 2, F, D), FP8),
@@ -712,18 +729,20 @@ def test_gpu_k_minor_ling_shape(M, kind):
 
 
 @gpu_only
+@pytest.mark.parametrize("switch,base_value,value", SCHEDULE_SWITCHES[:3])
 @pytest.mark.parametrize("M", [1, 9, 16])
-def test_gpu_late_scale_waits_ling_shape(monkeypatch, M):
-    """LATE_SCALE_WAITS on the GPU: k_minor fp8 at the Ling shape with the shared expert, bit for bit
-    the output of the kernels that await their scales first, and the reference's within tolerance."""
+def test_gpu_schedule_switches_ling_shape(monkeypatch, M, switch, base_value, value):
+    """The schedule switches on the GPU: k_minor fp8 at the Ling shape with the shared expert, bit for
+    bit the output of the base setting (LATE_SCALE_WAITS: the kernels that await their scales
+    first; DOWN_STAGES: kernel 2 at the call's pipeline depth), and the reference's within tolerance."""
     x, idx, w, routed, shared, ref = _ling_with_shared(M, 8, mode="overlap" if M > 1 else "independent")
     vgu, sgu, vd, sd = _k_minor(*(a[None] for a in shared[:4]))
     shared_k = (vgu[0], sgu[0], vd[0], sd[0], 5.0)
     run = lambda: jax.jit(lambda *a: moe_experts_pallas(*a, limit=7.0, shared=shared_k, k_minor=True))(  # noqa: E731
         x, idx, w, *_k_minor(*routed))
-    monkeypatch.setattr(moe_experts_mod, "LATE_SCALE_WAITS", False)
+    monkeypatch.setattr(_switch_module(switch), switch, base_value)
     base = run()
-    monkeypatch.setattr(moe_experts_mod, "LATE_SCALE_WAITS", True)
+    monkeypatch.setattr(_switch_module(switch), switch, value)
     out = run()
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(base, np.float32))
     _check(out, ref, 2e-2)

@@ -141,9 +141,12 @@ K_MINOR_CASES = [
 ]
 
 
+@pytest.mark.parametrize("a_regs_load", ["upcast2x", "wgmma"])
 @pytest.mark.parametrize("M,K,N,fp8,kw", K_MINOR_CASES)
 @interpret_only
-def test_interpret_k_minor_matches_reference(M, K, N, fp8, kw):
+def test_interpret_k_minor_matches_reference(monkeypatch, M, K, N, fp8, kw, a_regs_load):
+    import pallas_kernels.common as common_mod
+    monkeypatch.setattr(common_mod, "A_REGS_LOAD", a_regs_load)      # (fp8: both of a_regs' loads)
     w, s = _weights(K, N, fp8, seed=M + N + 2)
     x = _x(M, K, seed=M)
     out = jax.block_until_ready(skinny_gemm_pallas(x, w.T, s, interpret=INTERPRET, out_dtype=F32, k_minor=True, **kw))
@@ -319,6 +322,18 @@ def test_k_minor_cross_lowers_for_cuda_ling_shape(M, K, N, fp8):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("K,N", LING_SHAPES)
+@pytest.mark.parametrize("M", [1, 9])
+def test_k_minor_a_regs_wgmma_load_cross_lowers_for_cuda(monkeypatch, M, K, N):
+    """common.A_REGS_LOAD = 'wgmma' (fp8 tiles loaded in the WGMMA layout, no relayout) at the Ling shapes."""
+    import pallas_kernels.common as common_mod
+    monkeypatch.setattr(common_mod, "A_REGS_LOAD", "wgmma")
+    x, w, *s = _abstract(M, K, N, True)
+    f = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32 if N > 100_000 else None, k_minor=True))
+    text = f.trace(x, jax.ShapeDtypeStruct((N, K), w.dtype), *s).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 @pytest.mark.parametrize("layout", ["wgmma", "upcast2x"])      # the default, 8bit, is covered above
 @pytest.mark.parametrize("schedule", ["serial", "async"])
 def test_fp8_load_layouts_cross_lower_for_cuda(schedule, layout):
@@ -447,6 +462,24 @@ def test_gpu_k_minor_ling_shape_matches_reference(M, K, N, fp8):
     out = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32, k_minor=True))(
         x, wt, *(() if s is None else (s,)))
     _check(out, jax.jit(skinny_gemm_reference)(x, w, s), 1e-4)
+
+
+@gpu_only
+@pytest.mark.parametrize("K,N", LING_SHAPES)
+@pytest.mark.parametrize("M", [1, 9, 16])
+def test_gpu_k_minor_a_regs_loads_agree_bit_for_bit(monkeypatch, M, K, N):
+    """common.A_REGS_LOAD: the fp8 tiles loaded in the WGMMA layout give the same output, bit for bit,
+    as the 4-byte load and relayout (same values in the same registers)."""
+    import pallas_kernels.common as common_mod
+    w, s = _weights(K, N, True, seed=1)
+    x = _x(M, K, seed=M)
+    wt = jax.jit(lambda a: a.T)(w)
+    outs = []
+    for load in ("upcast2x", "wgmma"):
+        monkeypatch.setattr(common_mod, "A_REGS_LOAD", load)
+        outs.append(np.asarray(jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32, k_minor=True))(x, wt, s)))
+    np.testing.assert_array_equal(outs[1], outs[0])
+    _check(outs[1], jax.jit(skinny_gemm_reference)(x, w, s), 1e-4)
 
 
 @gpu_only
