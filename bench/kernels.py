@@ -1,6 +1,6 @@
 """The fused KDA step kernel against the model's XLA path at Ling shapes: time, error, % of the memory floor.
 
-    python -m bench.kernels [--iters 200] [--block-v 16,32,64,128] [--states 35] [--out DIR]
+    python -m bench.kernels [--iters 200] [--block-v 16,32,64,128] [--cases verify9] [--states 35] [--out DIR]
     python -m bench.kernels --interpret --iters 2      # CPU smoke: interpret mode, small shapes
 
 Cases (B=1, H=32, K=V=128; the input projection, conv window and weights bf16; gate parameters,
@@ -18,8 +18,8 @@ jitted lax.fori_loop of --iters calls, 8 per loop iteration (the loop's own cost
 each taking the previous call's state and one of 4 input draws in turn (no dispatch, nothing
 loop-invariant to hoist), median of 3 runs / --iters; the chained 4 MiB state may stay in the L2;
 the loop's per-call input selection and plumbing are counted in. `states` (--states N, session 32):
-the same loop over N distinct states, one call per state per iteration (N = 35, the model's KDA
-layers, keeps the states out of the L2 as in the model). `net` (session 21) = the layer
+the kernel rows' loop over N distinct states, one call per state per iteration (N = 35, the model's
+KDA layers, keeps the states out of the L2 as in the model; not for the XLA rows). `net` (session 21) = the layer
 benchmarks' in-loop time (bench.kernel_table.time_layer: 8 calls per iteration over the 4 draws,
 each call carrying its own state from iteration to iteration, minus the loop's own per-call cost
 measured with a call that does nothing): the measure the whole-layer benchmarks use. --profile DIR
@@ -72,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run the kernels in Mosaic GPU interpret mode at small shapes (CPU smoke; times meaningless)")
     ap.add_argument("--copy-mib", type=int, default=None,
                     help="size of the bandwidth-probe array (default 1024 MiB on GPU, 8 otherwise)")
+    ap.add_argument("--cases", default="", help="comma list of the cases to run, by name and T: "
+                    + ",".join(f"{c.name}{c.T}" for c in CASES) + " (default: all)")
     ap.add_argument("--states", type=int, default=0, metavar="N",
-                    help="also time each row over N distinct states, one call per state per loop iteration "
+                    help="also time each kernel row over N distinct states, one call per state per loop iteration "
                          "(`us/states`; 35 = the model's KDA layers: the states cannot stay in the L2 as the "
                          "chained single state of `us/loop` can); 0 = off")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
@@ -271,7 +273,7 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
             # interpret mode (CPU smoke): one run of one call per loop trip, the times mean nothing
             t_loop = time_loop(fn, xs_sets, state, iters, **(dict(repeats=1, unroll=1) if interpret else {}))
             t_states = None
-            if states:   # as many distinct states as the model has KDA layers: none stays in the L2
+            if states and not label.startswith("xla"):   # kernel rows: the model's distinct states, out of the L2
                 sts = tuple(state + 0.0 * i for i in range(states))
                 t_states = time_loop_states(fn, xs_sets, sts, iters, **(dict(repeats=1) if interpret else {}))
             tag = f"{case.name}-T{case.T}-{label.replace(' ', '_').replace('=', '')}"
@@ -316,10 +318,10 @@ def _fmt(x, spec):
 
 def print_table(rows, copy_bw):
     print(f"\ndevice copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)")
+    has_states = any(r.get("us_states") is not None for r in rows)
     head = (f"{'case':7s} {'T':>3s} {'impl':30s} {'us/call':>9s} {'us/loop':>9s} {'us/net':>8s} {'floor us':>9s} "
             f"{'%floor':>7s} {'max|do|':>9s} {'max|ds|':>9s} {'relo':>8s} {'rels':>8s} "
-            f"{'rmse o64':>9s} {'rmse s64':>9s}" + (f" {'us/states':>9s}" if any(r.get("us_states") is not None
-                                                                                for r in rows) else ""))
+            f"{'rmse o64':>9s} {'rmse s64':>9s}" + (f" {'us/states':>9s}" if has_states else ""))
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -330,7 +332,7 @@ def print_table(rows, copy_bw):
               f"{r['floor_us']:9.3f} {r['pct_floor_loop']:6.1f}% {_fmt(r['max_abs_o'], '9.2e')} "
               f"{_fmt(r['max_abs_s'], '9.2e')} {_fmt(r['max_rel_o'], '8.1e')} {_fmt(r['max_rel_s'], '8.1e')} "
               f"{_fmt(r['rmse_o_f64'], '9.1e')} {_fmt(r['rmse_s_f64'], '9.1e')}"
-              + (f" {r['us_states']:9.2f}" if r.get("us_states") is not None else ""))
+              + (f" {_fmt(r.get('us_states'), '9.2f')}" if has_states else ""))
     print("%floor: of the loop time; us/states: the loop over --states distinct states; us/net: in-loop minus the loop's own cost (module docstring); max|d.|, "
           "rel.: vs the XLA row of the case; rmse .64: relative RMSE vs the float64 reference (a verify writes "
           "no state)\n")
@@ -343,6 +345,10 @@ def main(argv=None) -> dict:
         ap.error(f"--iters must be >= 1, got {a.iters}")
     if a.states < 0:
         ap.error(f"--states must be >= 0 (0: off), got {a.states}")
+    names = {f"{c.name}{c.T}": c for c in CASES}
+    picked = [x for x in a.cases.split(",") if x]
+    if any(x not in names for x in picked):
+        ap.error(f"--cases {a.cases}: each must be one of {','.join(names)}")
     block_vs = int_list(ap, a.block_v, "--block-v") or [None]
     if not a.no_xla_defaults:
         xla_env.configure()
@@ -362,7 +368,7 @@ def main(argv=None) -> dict:
     copy_bytes = (a.copy_mib or (1024 if backend == "gpu" else 8)) << 20
     copy_bw = measure_copy_bandwidth(copy_bytes)
     rows = []
-    for case in CASES:
+    for case in [names[x] for x in picked] or CASES:
         print(f"{case.name} T={case.T} ...", file=sys.stderr, flush=True)
         rows.extend(run_case(case, shape, block_vs, interpret, a.iters, copy_bw, a.profile, a.states))
     print_table(rows, copy_bw)

@@ -55,8 +55,9 @@ Design
 * ``k_minor=True`` (session 8; the model's layout since session 9): the weights with the
   contraction axis minor (w_gate_up [E, 2, F, D], w_down [E, D, F]: the published checkpoint's
   orientation). Each tile [64, 128] then lies as a WGMMA A operand wants it: bf16 tiles go from the
-  TMA buffer unchanged; fp8 tiles are loaded 4 bytes per thread, converted (kernel 1: exact f16;
-  kernel 2: f32 * scale -> bf16) and relaid to the WGMMA layout in registers, and the WGMMA takes
+  TMA buffer unchanged; fp8 tiles are loaded into registers in the WGMMA layout (2 bytes per
+  thread, `common.A_REGS_LOAD`; before session 32 4 bytes and a relayout), converted (kernel 1:
+  exact f16; kernel 2: f32 * scale -> bf16), and the WGMMA takes
   A from registers: no 16-bit SMEM tile, a third of the shared-memory traffic, and SMEM for 3 CTAs
   per SM. Kernel 2 then owns 64 rows of D per program (the register tile). Mosaic GPU's interpret
   mode cannot take a register A operand, so there the operand goes through an SMEM tile
@@ -152,11 +153,6 @@ WEIGHTS_IN_ACT = True
 # bit (GPU test). On since session 30: 12 layers, fp8, DSpark tau 5.29, one H100, same call (run
 # 109): 4.624 / 4.621 ms per step without, 4.600 with. Read at trace time.
 LATE_SCALE_WAITS = True
-# Kernel 2's pipeline depth (chunks in flight per program; None: the call's ``stages``). Its
-# programs are short (K-minor fp8 at Ling's shape: six 8 KiB chunks of w_down each), so at
-# ``stages`` = 3 each program's first loads start cold after the previous program's last; with 6
-# the whole program's weights are requested at once. Session 32 experiment (read at trace time).
-DOWN_STAGES = None
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
 _WG = plgpu.Layout.WGMMA
 
@@ -780,7 +776,7 @@ def moe_experts_pallas(x, idx, w, w_gate_up, gu_scale, w_down, down_scale, limit
     if WEIGHTS_IN_ACT:       # token m's weight for slot u on its activations (fused into the transpose)
         wpad = jnp.zeros((wu.shape[0], MAX_M), _F32).at[:, :M].set(wu)
         act_t = (act_t.astype(_F32) * wpad[:, :, None]).astype(_BF)
-    yu = _down(table, act_t, w_down, su_d, split_f, DOWN_STAGES or stages, interpret, sh2,
+    yu = _down(table, act_t, w_down, su_d, split_f, stages, interpret, sh2,
                fp8_async, k_minor)                                              # [split, U, D, MAX_M]
     if WEIGHTS_IN_ACT:
         return yu.astype(_F32).sum((0, 1))[:, :M].T.astype(x.dtype)

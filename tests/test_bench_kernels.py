@@ -26,7 +26,8 @@ def test_kernels_smoke(tmp_path, capsys):
         ("commit", 9, "pallas bv=16 in place")]
     for r in rows:
         assert r["us_call"] > 0 and r["us_loop"] > 0 and r["bytes"] > 2 * 64 * 64 * 4
-        assert r["us_states"] > 0 and r["states"] == 2
+        kernel = r["impl"].startswith("pallas")
+        assert (r["us_states"] > 0 and r["states"] == 2) if kernel else r["us_states"] is None
         assert r["us_net_raw"] > 0 and r["us_net"] == pytest.approx(r["us_net_raw"] - r["loop_overhead_us"])
         verify = r["case"] == "verify"
         assert r["rmse_s_f64"] is None if verify else r["rmse_s_f64"] <= 1e-2    # XLA rows: bf16 rounding
@@ -41,6 +42,7 @@ def test_kernels_smoke(tmp_path, capsys):
 @pytest.mark.parametrize("extra,msg", [
     (["--iters", "0"], "--iters must be >= 1"),
     (["--states", "-1"], "--states must be >= 0"),
+    (["--cases", "verify8"], "--cases verify8: each must be one of decode1,verify9,verify16,commit9"),
     (["--block-v", "24"], "--block-v 24 must divide"),
     (["--block-v", "a,b"], "comma-separated integers"),
 ])

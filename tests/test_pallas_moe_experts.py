@@ -431,8 +431,7 @@ def test_interpret_weights_in_act_match(monkeypatch, M, split_d, split_f, with_s
 
 # schedule switches of the kernels that must not change a bit of the output: (module global, the
 # setting compared against, the setting tested)
-SCHEDULE_SWITCHES = [("LATE_SCALE_WAITS", False, True), ("DOWN_STAGES", None, 6), ("A_REGS_LOAD", "upcast2x", "wgmma"),
-                     ("DOWN_STAGES", None, 2)]
+SCHEDULE_SWITCHES = [("LATE_SCALE_WAITS", False, True), ("A_REGS_LOAD", "upcast2x", "wgmma")]
 
 
 def _switch_module(name):
@@ -448,8 +447,8 @@ def test_interpret_schedule_switches_match(monkeypatch, M, split_d, split_f, wit
                                            base_value, value):
     """Schedule switches give the same output, bit for bit (fp8, repeated experts and padding slots,
     the shared slot, split reductions, both weight layouts): LATE_SCALE_WAITS (the scale copies
-    awaited where they are first read, not before the weight pipelines) and DOWN_STAGES (kernel 2's
-    pipeline depth, here also deeper than a program's chunk count)."""
+    awaited where they are first read, not before the weight pipelines) and A_REGS_LOAD (the K-minor
+    fp8 tiles' load into registers; interpret mode checks the arithmetic of both branches)."""
     E, k, D, F = 16, 4, 512, 256
     vgu, sgu, vd, sd = _weights(E + 1, D, F, seed=61 + M)
     orient = _k_minor if k_minor else (lambda *a: a)
@@ -642,12 +641,12 @@ def test_k_minor_cross_lowers_for_cuda_with_shared_expert(M, kind):
 
 
 @pytest.mark.parametrize("switch,value", [("LATE_SCALE_WAITS", True), ("LATE_SCALE_WAITS", False),
-                                          ("DOWN_STAGES", 6), ("DOWN_STAGES", 4), ("A_REGS_LOAD", "wgmma")])
+                                          ("A_REGS_LOAD", "wgmma"), ("A_REGS_LOAD", "upcast2x")])
 @pytest.mark.parametrize("M", [1, 9])
 def test_schedule_switches_cross_lower_for_cuda(monkeypatch, M, switch, value):
     """The schedule switches' settings (LATE_SCALE_WAITS on: a barrier wait inside the pipelines'
-    first step; DOWN_STAGES: kernel 2's pipeline depth) lower for CUDA at the Ling shape, k_minor
-    fp8 with the shared expert, as the model runs it."""
+    first step; A_REGS_LOAD: how the fp8 tiles are loaded into registers) lower for CUDA at the
+    Ling shape, k_minor fp8 with the shared expert, as the model runs it."""
     monkeypatch.setattr(_switch_module(switch), switch, value)
     E, D, F, k = LING["E"], LING["D"], LING["F"], LING["k"]
     S = jax.ShapeDtypeStruct
@@ -729,12 +728,12 @@ def test_gpu_k_minor_ling_shape(M, kind):
 
 
 @gpu_only
-@pytest.mark.parametrize("switch,base_value,value", SCHEDULE_SWITCHES[:3])
+@pytest.mark.parametrize("switch,base_value,value", SCHEDULE_SWITCHES)
 @pytest.mark.parametrize("M", [1, 9, 16])
 def test_gpu_schedule_switches_ling_shape(monkeypatch, M, switch, base_value, value):
     """The schedule switches on the GPU: k_minor fp8 at the Ling shape with the shared expert, bit for
     bit the output of the base setting (LATE_SCALE_WAITS: the kernels that await their scales
-    first; DOWN_STAGES: kernel 2 at the call's pipeline depth), and the reference's within tolerance."""
+    first; A_REGS_LOAD: the 4-byte load and relayout), and the reference's within tolerance."""
     x, idx, w, routed, shared, ref = _ling_with_shared(M, 8, mode="overlap" if M > 1 else "independent")
     vgu, sgu, vd, sd = _k_minor(*(a[None] for a in shared[:4]))
     shared_k = (vgu[0], sgu[0], vd[0], sd[0], 5.0)

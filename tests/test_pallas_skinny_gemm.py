@@ -324,10 +324,11 @@ def test_k_minor_cross_lowers_for_cuda_ling_shape(M, K, N, fp8):
 
 @pytest.mark.parametrize("K,N", LING_SHAPES)
 @pytest.mark.parametrize("M", [1, 9])
-def test_k_minor_a_regs_wgmma_load_cross_lowers_for_cuda(monkeypatch, M, K, N):
-    """common.A_REGS_LOAD = 'wgmma' (fp8 tiles loaded in the WGMMA layout, no relayout) at the Ling shapes."""
+def test_k_minor_a_regs_upcast2x_load_cross_lowers_for_cuda(monkeypatch, M, K, N):
+    """common.A_REGS_LOAD = 'upcast2x' (fp8 tiles loaded 4 bytes per thread and relaid; the default,
+    'wgmma', is covered above) at the Ling shapes."""
     import pallas_kernels.common as common_mod
-    monkeypatch.setattr(common_mod, "A_REGS_LOAD", "wgmma")
+    monkeypatch.setattr(common_mod, "A_REGS_LOAD", "upcast2x")
     x, w, *s = _abstract(M, K, N, True)
     f = jax.jit(lambda *a: skinny_gemm_pallas(*a, out_dtype=F32 if N > 100_000 else None, k_minor=True))
     text = f.trace(x, jax.ShapeDtypeStruct((N, K), w.dtype), *s).lower(lowering_platforms=("cuda",)).as_text()
