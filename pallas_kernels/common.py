@@ -159,16 +159,11 @@ def a_regs(tile_ref, scale=None, dtype=jnp.float16):
     * scale, -> dtype)."""
     if A_REGS_LOAD not in A_REGS_LOADS:
         raise ValueError(f"A_REGS_LOAD={A_REGS_LOAD!r} must be one of {A_REGS_LOADS}")
-    def convert(v):
-        if scale is not None:
-            return (v.astype(jnp.float32) * scale).astype(dtype)
-        if dtype == jnp.bfloat16:     # sm_90 converts e4m3 only to f16 (exact), from which bf16 is exact too
-            return v.astype(jnp.float16).astype(dtype)
-        return v.astype(dtype)
-
     if A_REGS_LOAD == "wgmma":
-        return convert(plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA))
-    v = convert(plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X))
+        v = plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA)
+        return v.astype(dtype) if scale is None else (v.astype(jnp.float32) * scale).astype(dtype)
+    v = plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
+    v = v.astype(dtype) if scale is None else (v.astype(jnp.float32) * scale).astype(dtype)
     return plgpu.layout_cast(v, plgpu.Layout.WGMMA)
 
 

@@ -153,12 +153,6 @@ WEIGHTS_IN_ACT = True
 # bit (GPU test). On since session 30: 12 layers, fp8, DSpark tau 5.29, one H100, same call (run
 # 109): 4.624 / 4.621 ms per step without, 4.600 with. Read at trace time.
 LATE_SCALE_WAITS = True
-# K-minor fp8 kernel 2: where the block scale goes (read at trace time). False: into each weight
-# (fp8 -> f32, * scale, -> bf16 per element: the reference's dequantisation, bit for bit); True
-# (session 32 experiment): the weights converted exactly (fp8 -> bf16) and the scale applied to each
-# chunk's float32 product, as kernel 1 does: one multiply per 8 outputs instead of per weight, and
-# a product more exact than the reference's bf16-rounded w * scale.
-DOWN_SCALE_AFTER = False
 _BF, _F16, _F32, _FP8 = jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn
 _WG = plgpu.Layout.WGMMA
 
@@ -582,33 +576,6 @@ def _down(table, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8
                 if not late_waits:
                     plgpu.barrier_wait(bar.at[0])
 
-            act_spec = plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=a_tf,
-                                       delay_release=1 if fp8_async else 0)
-            if fp8 and k_minor and DOWN_SCALE_AFTER:
-                def step_scaled(idxs, w_s, a_s, carry):
-                    """One F chunk: the exact bf16 weights' product, weighted into the carry by its scale."""
-                    (i,) = idxs
-                    a = a_operand(a_regs(w_s, None, _BF), wb_s, interpret)
-
-                    def mma(acc):
-                        plgpu.wgmma(acc, a, a_s.T)
-                        plgpu.wgmma_wait(0)
-                        return acc[...]
-
-                    prod = pl.run_scoped(mma, plgpu.ACC((td, MAX_M), _F32))
-                    if late_waits:   # the scales' copy ran alongside the first chunks' loads
-                        pl.when(i == 0)(lambda: plgpu.barrier_wait(bar.at[0]))
-                    return carry + prod * down_scale(i)
-
-                zero = plgpu.layout_cast(jnp.zeros((td, MAX_M), _F32), _WG)
-                y = plgpu.emit_pipeline(
-                    step_scaled, grid=(kps,), max_concurrent_steps=stages, init_carry=zero,
-                    in_specs=[plgpu.BlockSpec((td, BLOCK), lambda i: (0, i), transforms=swizzled(BLOCK, 1)),
-                              act_spec],
-                )(source, act_g.at[u, :, rows])
-                store(o_s, y.astype(out_dtype))
-                return
-
             def scoped(acc):
                 def step(idxs, w_s, a_s):
                     (i,) = idxs
@@ -643,8 +610,13 @@ def _down(table, act_t, w_down, su_d, split, stages, interpret, shared=None, fp8
                 else:
                     w_spec = plgpu.BlockSpec((BLOCK, td), lambda i: (i, 0),
                                              transforms=swizzled(td, 1) if fp8 else w_tf, delay_release=late)
-                plgpu.emit_pipeline(step, grid=(kps,), in_specs=[w_spec, act_spec],
-                                    max_concurrent_steps=stages)(source, act_g.at[u, :, rows])
+                plgpu.emit_pipeline(
+                    step,
+                    grid=(kps,),
+                    in_specs=[w_spec, plgpu.BlockSpec((MAX_M, BLOCK), lambda i: (0, i), transforms=a_tf,
+                                                      delay_release=late)],
+                    max_concurrent_steps=stages,
+                )(source, act_g.at[u, :, rows])
                 return acc[...]
 
             y = pl.run_scoped(scoped, plgpu.ACC((td, MAX_M), _F32))
