@@ -222,9 +222,11 @@ def time_loop_states(fn, xs_sets, states, iters: int, repeats: int = 3) -> float
     n = len(states)
     pick = lambda i: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i % LOOP_SETS, keepdims=False), xs_sets)
     trips = max(1, iters // n)
+    call = jax.jit(fn)      # one function for the n call sites: one copy of the kernel's module to compile
+    # (lingjax.model.kernels.shared_call); run 118's 35 direct calls did not compile within 90 s
 
     def body(i, sts):
-        return tuple(fn(pick(i * n + j), sts[j])[-1] for j in range(n))
+        return tuple(call(pick(i * n + j), sts[j])[-1] for j in range(n))
 
     run = jax.jit(lambda xs_sets, sts: lax.fori_loop(0, trips, body, sts))
     jax.block_until_ready(run(xs_sets, states))
