@@ -19,8 +19,8 @@ each taking the previous call's state and one of 4 input draws in turn (no dispa
 loop-invariant to hoist), median of 3 runs / --iters; the chained 4 MiB state may stay in the L2;
 the loop's per-call input selection and plumbing are counted in. `states` (--states N, session 32):
 the kernel rows' loop over N distinct states, one call per state per iteration (N = 35, the model's
-KDA layers, keeps the states out of the L2 as in the model; not for the XLA rows). `net` (session 21) = the layer
-benchmarks' in-loop time (bench.kernel_table.time_layer: 8 calls per iteration over the 4 draws,
+KDA layers, keeps the states out of the L2 as in the model; not for the XLA rows). `net` (session
+21) = the layer benchmarks' in-loop time (bench.kernel_table.time_layer: 8 calls per iteration over the 4 draws,
 each call carrying its own state from iteration to iteration, minus the loop's own per-call cost
 measured with a call that does nothing): the measure the whole-layer benchmarks use. --profile DIR
 adds, per row, the table of XLA / Mosaic kernels one call of that loop runs. Warm-up (compile) runs
@@ -335,9 +335,9 @@ def print_table(rows, copy_bw):
               f"{_fmt(r['max_abs_s'], '9.2e')} {_fmt(r['max_rel_o'], '8.1e')} {_fmt(r['max_rel_s'], '8.1e')} "
               f"{_fmt(r['rmse_o_f64'], '9.1e')} {_fmt(r['rmse_s_f64'], '9.1e')}"
               + (f" {_fmt(r.get('us_states'), '9.2f')}" if has_states else ""))
-    print("%floor: of the loop time; us/states: the loop over --states distinct states; us/net: in-loop minus the loop's own cost (module docstring); max|d.|, "
-          "rel.: vs the XLA row of the case; rmse .64: relative RMSE vs the float64 reference (a verify writes "
-          "no state)\n")
+    print("%floor: of the loop time; us/states: the loop over --states distinct states; us/net: in-loop minus "
+          "the loop's own cost (module docstring); max|d.|, rel.: vs the XLA row of the case; rmse .64: relative "
+          "RMSE vs the float64 reference (a verify writes no state)\n")
 
 
 def main(argv=None) -> dict:

@@ -159,12 +159,10 @@ def a_regs(tile_ref, scale=None, dtype=jnp.float16):
     * scale, -> dtype)."""
     if A_REGS_LOAD not in A_REGS_LOADS:
         raise ValueError(f"A_REGS_LOAD={A_REGS_LOAD!r} must be one of {A_REGS_LOADS}")
-    if A_REGS_LOAD == "wgmma":
-        v = plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA)
-        return v.astype(dtype) if scale is None else (v.astype(jnp.float32) * scale).astype(dtype)
-    v = plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
+    direct = A_REGS_LOAD == "wgmma"
+    v = plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA if direct else plgpu.Layout.WGMMA_UPCAST_2X)
     v = v.astype(dtype) if scale is None else (v.astype(jnp.float32) * scale).astype(dtype)
-    return plgpu.layout_cast(v, plgpu.Layout.WGMMA)
+    return v if direct else plgpu.layout_cast(v, plgpu.Layout.WGMMA)
 
 
 def a_operand(a, tile_ref, interpret):

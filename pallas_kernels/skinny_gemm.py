@@ -51,9 +51,9 @@ Design
 * ``k_minor=True`` (session 8; on the H200 since run 31): w as [N, K] (torch's Linear
   layout). Each [bn, 128] tile is then a WGMMA A operand as it lies: bf16 straight from the TMA
   buffer, fp8 loaded into registers in the WGMMA layout (2 bytes per thread, ``common.a_regs``;
-  before session 32 4 bytes and a relayout) and converted to f16 there, then multiplied from
-  there: no f16 SMEM tile (interpret mode, which cannot
-  take a register operand, stages it through SMEM: ``common.a_operand``).
+  before session 32 4 bytes and a relayout), converted to f16 and multiplied from the registers:
+  no f16 SMEM tile (interpret mode, which cannot take a register operand, stages it through SMEM:
+  ``common.a_operand``).
 * K-major fp8 tiles come from SMEM to registers 4 bytes per thread (``common.load_fp8``, session
   8: 2-5% faster than the WGMMA layout's 2 bytes, before the tiles are stored back to SMEM as f16).
 * Output: a [bn, m_pad] tile per program, TMA'd to ``part [split_k, N, m_pad]`` (float32 when

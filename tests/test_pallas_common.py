@@ -89,3 +89,17 @@ def test_combine_splits_weights_by_each_split_denominator(axis):
     np.testing.assert_allclose(got_lse[0], np.log2(10.0), rtol=1e-6)
     np.testing.assert_array_equal(got_o[1], 0.0)
     assert got_lse[1] == -np.inf
+
+
+def test_a_regs_refuses_an_unknown_load(monkeypatch):
+    """A misspelt common.A_REGS_LOAD is refused when a kernel is traced, naming the choices."""
+    import jax
+
+    import pallas_kernels.common as common_mod
+    from pallas_kernels.skinny_gemm import skinny_gemm_pallas
+    monkeypatch.setattr(common_mod, "A_REGS_LOAD", "wgmma2")
+    S = jax.ShapeDtypeStruct
+    f = jax.jit(lambda x, w, s: skinny_gemm_pallas(x, w, s, k_minor=True))
+    with pytest.raises(ValueError, match=r"A_REGS_LOAD='wgmma2' must be one of \('upcast2x', 'wgmma'\)"):
+        f.trace(S((1, 256), jnp.bfloat16), S((128, 256), jnp.float8_e4m3fn),
+                S((2, 1), jnp.float32)).lower(lowering_platforms=("cuda",))
