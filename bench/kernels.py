@@ -187,8 +187,7 @@ def time_loop(fn, xs_sets, state, iters: int, repeats: int = 3, unroll: int = 8)
     which the model's 35 different layer states cannot: an optimistic bound for the state traffic."""
     import jax
     from jax import lax
-    import numpy as np
-    pick = lambda n: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, n % LOOP_SETS, keepdims=False), xs_sets)
+    pick = _draw_picker(xs_sets)
     shapes = jax.eval_shape(fn, pick(0), state)
     trips = max(1, iters // unroll)
 
@@ -202,13 +201,27 @@ def time_loop(fn, xs_sets, state, iters: int, repeats: int = 3, unroll: int = 8)
         init = (*(jax.numpy.zeros(a.shape, a.dtype) for a in shapes[:-1]), state)
         return lax.fori_loop(0, trips, body, init)
 
-    jax.block_until_ready(run(xs_sets, state))
+    return _median_seconds(run, (xs_sets, state), repeats) / (trips * unroll)
+
+
+def _draw_picker(xs_sets):
+    """pick(n): the inputs of draw n % LOOP_SETS from the stacked draws (a traced index is fine)."""
+    import jax
+    from jax import lax
+    return lambda n: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, n % LOOP_SETS, keepdims=False), xs_sets)
+
+
+def _median_seconds(run, args, repeats: int) -> float:
+    """Median wall seconds of `repeats` blocked calls of run(*args), after one untimed (compiling) call."""
+    import jax
+    import numpy as np
+    jax.block_until_ready(run(*args))
     ts = []
     for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(run(xs_sets, state))
+        jax.block_until_ready(run(*args))
         ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) / (trips * unroll)
+    return float(np.median(ts))
 
 
 def time_loop_states(fn, xs_sets, states, iters: int, repeats: int = 3) -> float:
@@ -218,9 +231,8 @@ def time_loop_states(fn, xs_sets, states, iters: int, repeats: int = 3) -> float
     state of `time_loop` can. Seconds per call."""
     import jax
     from jax import lax
-    import numpy as np
     n = len(states)
-    pick = lambda i: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i % LOOP_SETS, keepdims=False), xs_sets)
+    pick = _draw_picker(xs_sets)
     trips = max(1, iters // n)
     call = jax.jit(fn)      # one function for the n call sites: one copy of the kernel's module to compile
     # (lingjax.model.kernels.shared_call); run 118's 35 direct calls did not compile within 90 s
@@ -229,13 +241,7 @@ def time_loop_states(fn, xs_sets, states, iters: int, repeats: int = 3) -> float
         return tuple(call(pick(i * n + j), sts[j])[-1] for j in range(n))
 
     run = jax.jit(lambda xs_sets, sts: lax.fori_loop(0, trips, body, sts))
-    jax.block_until_ready(run(xs_sets, states))
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(run(xs_sets, states))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) / (trips * n)
+    return _median_seconds(run, (xs_sets, states), repeats) / (trips * n)
 
 
 def _rel_rmse(a, b):
