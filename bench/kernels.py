@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 import time
 from pathlib import Path
@@ -129,17 +130,22 @@ def xla_path(case: Case, xs, s):
     if T == 1:
         o, s1 = ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s)
         return o[:, None], s1
-    return _chain(ops.kda_chunked(q, k, v, g, beta, s)[0], s)
+    return ops.kda_chunked(q, k, v, g, beta, s)[0], s
 
 
-def _chain(o, s):
-    """(o, s) with s passed on only after o exists. A verify writes no state, so in the timing loop
-    nothing would consume all but the last call's output (XLA may drop the others: the verify rows
-    of session 11's run 44, before this, were too fast for that reason and are invalid), and two
-    calls on the same draw and state could be merged."""
-    from jax import lax
-    s, o = lax.optimization_barrier((s, o))
-    return o, s
+def next_state(outs, verify: bool):
+    """The state the timing loops (`time_loop`, `time_loop_states`) pass to the next call: the
+    call's last output. A verify writes no state, so its input state goes on, made to depend on the
+    call's o by a one-element in-place update that adds 0 * o[0] (XLA keeps a float x * 0, which
+    is not 0 for inf / NaN; the state is unchanged for a finite o). Without a data dependency XLA
+    dropped every verify call of a loop iteration but the last (an optimization barrier on (s, o)
+    did not stop it): the verify `loop` rows up to session 32 (and session 15's 9.9 us) timed one
+    kernel per 8 calls, run 121. The update is one tiny kernel per call, counted in those rows."""
+    s = outs[-1]
+    if not verify:
+        return s
+    dep = outs[0].reshape(-1)[0].astype(s.dtype) * 0.0
+    return s.at[(0,) * s.ndim].add(dep)
 
 
 def impls(case: Case, V: int, block_vs, interpret) -> list[tuple[str, Callable]]:
@@ -151,7 +157,7 @@ def impls(case: Case, V: int, block_vs, interpret) -> list[tuple[str, Callable]]
     for bv in block_vs:
         label = f"pallas bv={kf.pick_block_v(V, bv)}"
         if case.verify:
-            out.append((label, lambda xs, s, bv=bv: _chain(kf.kda_fused_step_pallas(
+            out.append((label, lambda xs, s, bv=bv: (kf.kda_fused_step_pallas(
                 *xs, s, write_state=False, block_v=bv, interpret=interpret)[0], s)))
             continue
         for in_place in (False, True):      # the model updates the state in place (kda.STATE_IN_PLACE)
@@ -178,30 +184,38 @@ def oracle(case: Case, xs, state):
     return (None if case.commit else o), s
 
 
-def time_loop(fn, xs_sets, state, iters: int, repeats: int = 3, unroll: int = 8) -> float:
+def time_loop(fn, xs_sets, state, iters: int, repeats: int = 3, unroll: int = 8, verify: bool = False) -> float:
     """Seconds per call inside one jitted fori_loop chaining the state through `iters` calls,
     `unroll` calls per loop iteration (so the loop's own per-iteration cost, a few us on a GPU, is
     spread over them). xs_sets: the inputs stacked over a leading axis of LOOP_SETS different
     draws; call n reads draw n % LOOP_SETS, so XLA cannot hoist the state-independent work out of
     the loop. The chained state (4 MiB at Ling shapes) can stay in the 60 MB L2 between calls,
-    which the model's 35 different layer states cannot: an optimistic bound for the state traffic."""
+    which the model's 35 different layer states cannot: an optimistic bound for the state traffic.
+    verify: fn's state output is its input (`next_state` chains its o instead)."""
+    trips = max(1, iters // unroll)
+    run = chained_loop(fn, xs_sets, state, trips, unroll, verify)
+    return _median_seconds(run, (xs_sets, state), repeats) / (trips * unroll)
+
+
+def chained_loop(fn, xs_sets, state, trips: int, unroll: int, verify: bool = False):
+    """`time_loop`'s program: jitted run(xs_sets, state), a fori_loop of `trips` iterations of
+    `unroll` chained calls of fn (each given `next_state` of the call before)."""
     import jax
     from jax import lax
-    pick = _draw_picker(xs_sets)
-    shapes = jax.eval_shape(fn, pick(0), state)
-    trips = max(1, iters // unroll)
+    shapes = jax.eval_shape(fn, _draw_picker(xs_sets)(0), state)
 
-    def body(i, c):
+    def body(pick, i, c):
         for j in range(unroll):
             c = fn(pick(i * unroll + j), c[-1])
+            c = (*c[:-1], next_state(c, verify))
         return c
 
     @jax.jit
     def run(xs_sets, state):
         init = (*(jax.numpy.zeros(a.shape, a.dtype) for a in shapes[:-1]), state)
-        return lax.fori_loop(0, trips, body, init)
+        return lax.fori_loop(0, trips, functools.partial(body, _draw_picker(xs_sets)), init)
 
-    return _median_seconds(run, (xs_sets, state), repeats) / (trips * unroll)
+    return run
 
 
 def _draw_picker(xs_sets):
@@ -224,11 +238,11 @@ def _median_seconds(run, args, repeats: int) -> float:
     return float(np.median(ts))
 
 
-def time_loop_states(fn, xs_sets, states, iters: int, repeats: int = 3) -> float:
+def time_loop_states(fn, xs_sets, states, iters: int, repeats: int = 3, verify: bool = False) -> float:
     """`time_loop` with len(states) distinct states (the model's 35 KDA layers each have their own):
     one loop iteration makes one call per state, each carrying its own, so consecutive calls read
     different 4 MiB states and 35 of them (140 MiB) cannot all stay in the L2 as the chained single
-    state of `time_loop` can. Seconds per call."""
+    state of `time_loop` can. Seconds per call; verify as in `time_loop`."""
     import jax
     from jax import lax
     n = len(states)
@@ -238,7 +252,7 @@ def time_loop_states(fn, xs_sets, states, iters: int, repeats: int = 3) -> float
     # (lingjax.model.kernels.shared_call); run 118's 35 direct calls did not compile within 90 s
 
     def body(i, sts):
-        return tuple(call(pick(i * n + j), sts[j])[-1] for j in range(n))
+        return tuple(next_state(call(pick(i * n + j), sts[j]), verify) for j in range(n))
 
     run = jax.jit(lambda xs_sets, sts: lax.fori_loop(0, trips, body, sts))
     return _median_seconds(run, (xs_sets, states), repeats) / (trips * n)
@@ -279,11 +293,13 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
             outs = jax.block_until_ready(f(xs, state))
             t_call = time_fn(f, (xs, state), iters, 1)[0]
             # interpret mode (CPU smoke): one run of one call per loop trip, the times mean nothing
-            t_loop = time_loop(fn, xs_sets, state, iters, **(dict(repeats=1, unroll=1) if interpret else {}))
+            t_loop = time_loop(fn, xs_sets, state, iters, verify=case.verify,
+                               **(dict(repeats=1, unroll=1) if interpret else {}))
             t_states = None
             if states and not label.startswith("xla"):   # kernel rows: the model's distinct states, out of the L2
                 sts = tuple(state + 0.0 * i for i in range(states))
-                t_states = time_loop_states(fn, xs_sets, sts, iters, **(dict(repeats=1) if interpret else {}))
+                t_states = time_loop_states(fn, xs_sets, sts, iters, verify=case.verify,
+                                            **(dict(repeats=1) if interpret else {}))
             tag = f"{case.name}-T{case.T}-{label.replace(' ', '_').replace('=', '')}"
             net_draws = draws[:1] if interpret else draws       # interpret mode (smoke): one call per trip
             net = kernel_table.time_layer(as_layer_call(fn), [(*d[0], d[1]) for d in net_draws], iters,

@@ -73,3 +73,21 @@ def test_failing_kernel_variant_is_recorded_not_fatal(tmp_path, capsys, monkeypa
     assert len(xla) == 4 and len(pallas) == 6 and all("error" not in r for r in xla)
     assert all("ptxas: too many resources" in r["error"] for r in pallas)
     assert capsys.readouterr().out.count("FAILED: RuntimeError") == 6
+
+
+@pytest.mark.parametrize("verify, kept", [(True, 8), (False, 1)])
+def test_timing_loop_keeps_every_verify_call(verify, kept):
+    """A verify writes no state: unless `next_state` makes the next call depend on its o, XLA drops
+    all but the last call of each loop iteration (run 121: the verify rows timed 1 kernel in 8)."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench import kernels as bk
+    xs_sets = (jnp.arange(bk.LOOP_SETS * 6, dtype=jnp.float32).reshape(bk.LOOP_SETS, 6),)
+    state = jnp.ones((3, 3), jnp.float32)
+    fn = lambda xs, s: (jnp.dot(xs[0].reshape(2, 3), s), s)     # noqa: E731  o only, as a verify
+    run = bk.chained_loop(fn, xs_sets, state, trips=2, unroll=8, verify=verify)
+    hlo = run.lower(xs_sets, state).compile().as_text()
+    assert hlo.count(" dot(") == kept               # a dot is not duplicated into fusions
+    out = run(xs_sets, state)
+    assert jnp.array_equal(out[-1], state)          # the dependency leaves a finite state unchanged
