@@ -99,8 +99,8 @@ L2_EPS = 1e-6     # lingjax.ops.kda.l2_normalize
 # row layout is replicated) and read only after the commit_smem barrier or by TMA; the final state
 # store follows the recurrence's cross-warp reductions, whose barriers Mosaic always emits. Off:
 # on the H200 (session 15, runs 61-62) it passed the GPU tests (10 of 12 in run 60, the 6 bf16 ones
-# in run 61) and made the isolated verify T = 9 call faster (bench.kernels --own-barriers: 7.8 vs
-# 9.9 us), decode and commit not, and the full-depth DSpark step did not change (9.52 vs 9.50 ms);
+# in run 61), and the full-depth DSpark step did not change (9.52 vs 9.50 ms; its isolated verify
+# rows, 7.8 vs 9.9 us, came from a loop that kept 1 call in 8: bench/kernels.py next_state);
 # no measured gain in the model for a hand-audited setting. Read at trace time.
 OWN_BARRIERS = False
 
