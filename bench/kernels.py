@@ -17,7 +17,8 @@ Time: `call` = median of --iters jitted calls, each blocked on (includes dispatc
 jitted lax.fori_loop of --iters calls, 8 per loop iteration (the loop's own cost spread over them),
 each taking the previous call's state and one of 4 input draws in turn (no dispatch, nothing
 loop-invariant to hoist), median of 3 runs / --iters; the chained 4 MiB state may stay in the L2;
-the loop's per-call input selection and plumbing are counted in. `states` (--states N, session 32):
+the loop's per-call input selection and plumbing are counted in (a verify, which writes no state,
+passes its input state on through a one-element update that depends on its o: `next_state`). `states` (--states N, session 32):
 the kernel rows' loop over N distinct states, one call per state per iteration (N = 35, the model's
 KDA layers, keeps the states out of the L2 as in the model; not for the XLA rows). `net` (session
 21) = the layer benchmarks' in-loop time (bench.kernel_table.time_layer: 8 calls per iteration over the 4 draws,
