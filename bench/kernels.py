@@ -18,7 +18,8 @@ jitted lax.fori_loop of --iters calls, 8 per loop iteration (the loop's own cost
 each taking the previous call's state and one of 4 input draws in turn (no dispatch, nothing
 loop-invariant to hoist), median of 3 runs / --iters; the chained 4 MiB state may stay in the L2;
 the loop's per-call input selection and plumbing are counted in (a verify, which writes no state,
-passes its input state on through a one-element update that depends on its o: `next_state`). `states` (--states N, session 32):
+passes its input state on through a one-element update that depends on its o: `next_state`).
+`states` (--states N, session 32):
 the kernel rows' loop over N distinct states, one call per state per iteration (N = 35, the model's
 KDA layers, keeps the states out of the L2 as in the model; not for the XLA rows). `net` (session
 21) = the layer benchmarks' in-loop time (bench.kernel_table.time_layer: 8 calls per iteration over the 4 draws,
@@ -134,19 +135,25 @@ def xla_path(case: Case, xs, s):
     return ops.kda_chunked(q, k, v, g, beta, s)[0], s
 
 
-def next_state(outs, verify: bool):
+def next_state(outs, state):
     """The state the timing loops (`time_loop`, `time_loop_states`) pass to the next call: the
-    call's last output. A verify writes no state, so its input state goes on, made to depend on the
-    call's o by a one-element in-place update that adds 0 * o[0] (XLA keeps a float x * 0, which
+    call's last output. A call that returns its input `state` itself (a verify, which writes no
+    state) passes it on made to depend on the call's o by a one-element in-place update that adds 0 * o[0] (XLA keeps a float x * 0, which
     is not 0 for inf / NaN; the state is unchanged for a finite o). Without a data dependency XLA
     dropped every verify call of a loop iteration but the last (an optimization barrier on (s, o)
     did not stop it): the verify `loop` rows up to session 32 (and session 15's 9.9 us) timed one
     kernel per 8 calls, run 121. The update is one tiny kernel per call, counted in those rows."""
     s = outs[-1]
-    if not verify:
+    if s is not state:
         return s
     dep = outs[0].reshape(-1)[0].astype(s.dtype) * 0.0
     return s.at[(0,) * s.ndim].add(dep)
+
+
+def chained_call(fn, xs, state):
+    """fn(xs, state) with its last output replaced by `next_state` (what a timing loop chains)."""
+    outs = fn(xs, state)
+    return (*outs[:-1], next_state(outs, state))
 
 
 def impls(case: Case, V: int, block_vs, interpret) -> list[tuple[str, Callable]]:
@@ -185,20 +192,20 @@ def oracle(case: Case, xs, state):
     return (None if case.commit else o), s
 
 
-def time_loop(fn, xs_sets, state, iters: int, repeats: int = 3, unroll: int = 8, verify: bool = False) -> float:
+def time_loop(fn, xs_sets, state, iters: int, repeats: int = 3, unroll: int = 8) -> float:
     """Seconds per call inside one jitted fori_loop chaining the state through `iters` calls,
     `unroll` calls per loop iteration (so the loop's own per-iteration cost, a few us on a GPU, is
     spread over them). xs_sets: the inputs stacked over a leading axis of LOOP_SETS different
     draws; call n reads draw n % LOOP_SETS, so XLA cannot hoist the state-independent work out of
     the loop. The chained state (4 MiB at Ling shapes) can stay in the 60 MB L2 between calls,
-    which the model's 35 different layer states cannot: an optimistic bound for the state traffic.
-    verify: fn's state output is its input (`next_state` chains its o instead)."""
+    which the model's 35 different layer states cannot: an optimistic bound for the state traffic
+    (a verify chains its o instead: `next_state`)."""
     trips = max(1, iters // unroll)
-    run = chained_loop(fn, xs_sets, state, trips, unroll, verify)
+    run = chained_loop(fn, xs_sets, state, trips, unroll)
     return _median_seconds(run, (xs_sets, state), repeats) / (trips * unroll)
 
 
-def chained_loop(fn, xs_sets, state, trips: int, unroll: int, verify: bool = False):
+def chained_loop(fn, xs_sets, state, trips: int, unroll: int):
     """`time_loop`'s program: jitted run(xs_sets, state), a fori_loop of `trips` iterations of
     `unroll` chained calls of fn (each given `next_state` of the call before)."""
     import jax
@@ -207,8 +214,7 @@ def chained_loop(fn, xs_sets, state, trips: int, unroll: int, verify: bool = Fal
 
     def body(pick, i, c):
         for j in range(unroll):
-            c = fn(pick(i * unroll + j), c[-1])
-            c = (*c[:-1], next_state(c, verify))
+            c = chained_call(fn, pick(i * unroll + j), c[-1])
         return c
 
     @jax.jit
@@ -239,21 +245,21 @@ def _median_seconds(run, args, repeats: int) -> float:
     return float(np.median(ts))
 
 
-def time_loop_states(fn, xs_sets, states, iters: int, repeats: int = 3, verify: bool = False) -> float:
+def time_loop_states(fn, xs_sets, states, iters: int, repeats: int = 3) -> float:
     """`time_loop` with len(states) distinct states (the model's 35 KDA layers each have their own):
     one loop iteration makes one call per state, each carrying its own, so consecutive calls read
     different 4 MiB states and 35 of them (140 MiB) cannot all stay in the L2 as the chained single
-    state of `time_loop` can. Seconds per call; verify as in `time_loop`."""
+    state of `time_loop` can. Seconds per call."""
     import jax
     from jax import lax
     n = len(states)
     pick = _draw_picker(xs_sets)
     trips = max(1, iters // n)
-    call = jax.jit(fn)      # one function for the n call sites: one copy of the kernel's module to compile
+    call = jax.jit(functools.partial(chained_call, fn))      # one function for the n call sites: one copy of the kernel's module to compile
     # (lingjax.model.kernels.shared_call); run 118's 35 direct calls did not compile within 90 s
 
     def body(i, sts):
-        return tuple(next_state(call(pick(i * n + j), sts[j]), verify) for j in range(n))
+        return tuple(call(pick(i * n + j), sts[j])[-1] for j in range(n))
 
     run = jax.jit(lambda xs_sets, sts: lax.fori_loop(0, trips, body, sts))
     return _median_seconds(run, (xs_sets, states), repeats) / (trips * n)
@@ -294,13 +300,11 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
             outs = jax.block_until_ready(f(xs, state))
             t_call = time_fn(f, (xs, state), iters, 1)[0]
             # interpret mode (CPU smoke): one run of one call per loop trip, the times mean nothing
-            t_loop = time_loop(fn, xs_sets, state, iters, verify=case.verify,
-                               **(dict(repeats=1, unroll=1) if interpret else {}))
+            t_loop = time_loop(fn, xs_sets, state, iters, **(dict(repeats=1, unroll=1) if interpret else {}))
             t_states = None
             if states and not label.startswith("xla"):   # kernel rows: the model's distinct states, out of the L2
                 sts = tuple(state + 0.0 * i for i in range(states))
-                t_states = time_loop_states(fn, xs_sets, sts, iters, verify=case.verify,
-                                            **(dict(repeats=1) if interpret else {}))
+                t_states = time_loop_states(fn, xs_sets, sts, iters, **(dict(repeats=1) if interpret else {}))
             tag = f"{case.name}-T{case.T}-{label.replace(' ', '_').replace('=', '')}"
             net_draws = draws[:1] if interpret else draws       # interpret mode (smoke): one call per trip
             net = kernel_table.time_layer(as_layer_call(fn), [(*d[0], d[1]) for d in net_draws], iters,
