@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="trace each row's `net` loop once more into DIR/<case>-T<T>-<impl> and print the kernels "
                          "of one call (bench.kernel_table)")
+    ap.add_argument("--variants", default="", metavar="SETS",
+                    help="kernel rows per setting group of pallas_kernels.kda_step_fused, ';'-separated groups of "
+                         "comma-separated NAME=VALUE (Python literals), e.g. 'PREP_TILED=False;PREP_TILED=True': "
+                         "an A/B in one process (the XLA row and the inputs shared); default: the module's settings")
     ap.add_argument("--own-barriers", action="store_true",
                     help="compile the fused step without Pallas' automatic SMEM barriers (kda_step_fused.OWN_BARRIERS "
                          "= True; off by default: no full-depth gain measured) for an A/B")
@@ -156,12 +160,63 @@ def chained_call(fn, xs, state):
     return (*outs[:-1], next_state(outs, state))
 
 
-def impls(case: Case, V: int, block_vs, interpret) -> list[tuple[str, Callable]]:
-    """[(label, f(xs, state) -> outputs tuple whose last entry is the state to chain)], XLA first."""
-    import jax.numpy as jnp
+def parse_variants(text: str) -> list[dict]:
+    """'A=1,B=True;A=2' -> [{'A': 1, 'B': True}, {'A': 2}] (names checked against kda_step_fused);
+    '' -> [{}] (the module's settings). ValueError saying what is wrong."""
+    import ast
     from pallas_kernels import kda_step_fused as kf
+    groups = []
+    for group in [g for g in text.split(";") if g.strip()] or [""]:
+        settings = {}
+        for item in [x for x in group.split(",") if x.strip()]:
+            name, eq, value = item.partition("=")
+            name = name.strip()
+            if not eq or not name.isupper() or not hasattr(kf, name):
+                raise ValueError(f"variant setting {item!r}: expected NAME=VALUE with NAME a setting of "
+                                 "pallas_kernels.kda_step_fused (e.g. PREP_TILED=True)")
+            try:
+                settings[name] = ast.literal_eval(value.strip())
+            except (ValueError, SyntaxError):
+                raise ValueError(f"variant setting {item!r}: {value!r} is not a Python literal") from None
+        groups.append(settings)
+    return groups
+
+
+def with_kernel_settings(fn, settings: dict):
+    """fn with pallas_kernels.kda_step_fused's module settings changed while it runs (they are read
+    when the kernel is traced, which happens inside the jitted programs that call this)."""
+    from pallas_kernels import kda_step_fused as kf
+    if not settings:
+        return fn
+
+    def run(*args):
+        old = {k: getattr(kf, k) for k in settings}
+        try:
+            for k, v in settings.items():
+                setattr(kf, k, v)
+            return fn(*args)
+        finally:
+            for k, v in old.items():
+                setattr(kf, k, v)
+    return run
+
+
+def impls(case: Case, V: int, block_vs, interpret, variants=({},)) -> list[tuple[str, Callable]]:
+    """[(label, f(xs, state) -> outputs tuple whose last entry is the state to chain)], XLA first;
+    kernel rows for each block_v and each settings group of `variants` (parse_variants)."""
     out = [("xla " + ("kda_state_after_prefix" if case.commit else "kda_step" if case.T == 1 else "kda_chunked"),
             lambda xs, s: xla_path(case, xs, s))]
+    for settings in variants:
+        tag = " ".join(f"{k}={v}" for k, v in settings.items())
+        out += [(label + (f" {tag}" if tag else ""), with_kernel_settings(fn, settings))
+                for label, fn in _kernel_impls(case, V, block_vs, interpret)]
+    return out
+
+
+def _kernel_impls(case: Case, V: int, block_vs, interpret) -> list[tuple[str, Callable]]:
+    import jax.numpy as jnp
+    from pallas_kernels import kda_step_fused as kf
+    out = []
     for bv in block_vs:
         label = f"pallas bv={kf.pick_block_v(V, bv)}"
         if case.verify:
@@ -281,7 +336,7 @@ def as_layer_call(fn):
 
 
 def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: float,
-             profile: str | None = None, states: int = 0) -> list[dict]:
+             profile: str | None = None, states: int = 0, variants=({},)) -> list[dict]:
     from bench import kernel_table
     import jax
     import jax.numpy as jnp
@@ -293,7 +348,7 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
     floor_s = nbytes / copy_bw
     o64, s64 = oracle(case, xs, state)
     rows, ref_out = [], None
-    for label, fn in impls(case, shape["K"], block_vs, interpret):
+    for label, fn in impls(case, shape["K"], block_vs, interpret, variants):
         row = {"case": case.name, "T": case.T, "impl": label, "bytes": nbytes, "floor_us": floor_s * 1e6}
         try:
             f = jax.jit(fn)
@@ -348,16 +403,16 @@ def _fmt(x, spec):
 def print_table(rows, copy_bw):
     print(f"\ndevice copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)")
     has_states = any(r.get("us_states") is not None for r in rows)
-    head = (f"{'case':7s} {'T':>3s} {'impl':30s} {'us/call':>9s} {'us/loop':>9s} {'us/net':>8s} {'floor us':>9s} "
+    head = (f"{'case':7s} {'T':>3s} {'impl':44s} {'us/call':>9s} {'us/loop':>9s} {'us/net':>8s} {'floor us':>9s} "
             f"{'%floor':>7s} {'max|do|':>9s} {'max|ds|':>9s} {'relo':>8s} {'rels':>8s} "
             f"{'rmse o64':>9s} {'rmse s64':>9s}" + (f" {'us/states':>9s}" if has_states else ""))
     print(head)
     print("-" * len(head))
     for r in rows:
         if "error" in r:
-            print(f"{r['case']:7s} {r['T']:3d} {r['impl']:30s} FAILED: {r['error'][:200]}")
+            print(f"{r['case']:7s} {r['T']:3d} {r['impl']:44s} FAILED: {r['error'][:200]}")
             continue
-        print(f"{r['case']:7s} {r['T']:3d} {r['impl']:30s} {r['us_call']:9.2f} {r['us_loop']:9.2f} {r['us_net']:8.2f} "
+        print(f"{r['case']:7s} {r['T']:3d} {r['impl']:44s} {r['us_call']:9.2f} {r['us_loop']:9.2f} {r['us_net']:8.2f} "
               f"{r['floor_us']:9.3f} {r['pct_floor_loop']:6.1f}% {_fmt(r['max_abs_o'], '9.2e')} "
               f"{_fmt(r['max_abs_s'], '9.2e')} {_fmt(r['max_rel_o'], '8.1e')} {_fmt(r['max_rel_s'], '8.1e')} "
               f"{_fmt(r['rmse_o_f64'], '9.1e')} {_fmt(r['rmse_s_f64'], '9.1e')}"
@@ -379,6 +434,10 @@ def main(argv=None) -> dict:
     if any(x not in names for x in picked):
         ap.error(f"--cases {a.cases}: each must be one of {','.join(names)}")
     block_vs = int_list(ap, a.block_v, "--block-v") or [None]
+    try:
+        variants = parse_variants(a.variants)
+    except ValueError as e:
+        ap.error(f"--variants: {e}")
     if not a.no_xla_defaults:
         xla_env.configure()
     import jax
@@ -399,7 +458,7 @@ def main(argv=None) -> dict:
     rows = []
     for case in [names[x] for x in picked] or CASES:
         print(f"{case.name} T={case.T} ...", file=sys.stderr, flush=True)
-        rows.extend(run_case(case, shape, block_vs, interpret, a.iters, copy_bw, a.profile, a.states))
+        rows.extend(run_case(case, shape, block_vs, interpret, a.iters, copy_bw, a.profile, a.states, variants))
     print_table(rows, copy_bw)
     rec = {"bench": "kernels", "shape": {**shape, "V": shape["K"]}, "interpret": a.interpret,
            "input_dtypes": {"proj,window,conv_w": "bfloat16", "A_log,dt_bias,beta,state": "float32"},

@@ -47,6 +47,14 @@ Design
   q (scaled), k, beta k, g go to SMEM as [T, K] float32 rows, beta v as [T, bv]. A loop, not an
   unrolled sequence: the unrolled form was 1.5 MB of MLIR at T = 9 (vs 0.28 MB) and, in its first
   version on the H200 (session 11), took 25 us per verify call in the model.
+* ``PREP_TILED`` (session 33, off by default until measured): the preparation as one pass over
+  register tiles whose rows are the block's tokens ([64, K] q / k / g, [64, bv] v; rows past T
+  unused): the L2 norms become row reductions within a quad of threads (no cross-warp SMEM
+  reduction and no serial loop over tokens), exp(g) leaves the recurrence's serial path, and beta
+  scales u in the recurrence. For contiguous row tiles the q / k rows sit channel-major in SMEM
+  ([2, W + 64, K]) and each program loads only its own v columns ([W + 64, bv]); the conv weights
+  are widened to float32 rows in SMEM first (a 16-bit row-broadcast [K] vector does not lower), and
+  the new conv window goes out by TMA straight from those rows (no register staging).
 * Recurrence: a loop over tokens with the [K, bv] state tile in registers in the WGMMA fragment
   layout (K rows over the 4 warps), written with elementwise ops and one-axis reductions only:
   K-vectors in ``WGMMA.reduce(1)`` ("row") layout broadcast along columns (``S * x[:, None]``),
@@ -103,6 +111,15 @@ L2_EPS = 1e-6     # lingjax.ops.kda.l2_normalize
 # rows, 7.8 vs 9.9 us, came from a loop that kept 1 call in 8: bench/kernels.py next_state);
 # no measured gain in the model for a hand-audited setting. Read at trace time.
 OWN_BARRIERS = False
+# The preparation as one pass over a [PREP_ROWS, K] tile whose rows are the block's tokens (session
+# 33), instead of a loop over tokens: the q / k L2 norms become row reductions inside each quad of
+# threads (no cross-warp reduction through SMEM and no barrier per token), every token is prepared
+# at once rather than one after another, exp(g) is computed there (off the recurrence's serial
+# path), and beta multiplies u in the recurrence (u = beta (v - S^T k)) so that no beta k / beta v
+# rows are needed. Rows T..PREP_ROWS-1 of the tile are computed on unused SMEM rows and never read.
+# The same math up to float32 rounding. Read at trace time; off until measured on a GPU.
+PREP_TILED = False
+PREP_ROWS = 64    # the WGMMA register tile's rows (>= MAX_T)
 
 
 def pick_block_v(V: int, block_v: int | None) -> int:
@@ -172,6 +189,8 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
     dt = jnp.dtype(proj.dtype)
     f32 = jnp.float32
     n_tok = jnp.clip(jnp.asarray(T if n is None else n, jnp.int32), 0, T).reshape(1)
+    tiled = PREP_TILED
+    R = PREP_ROWS if tiled else T                   # token rows of the SMEM preparation buffers
     window, conv_w = window.astype(dt), conv_w.astype(dt)
     A_log, dt_bias, beta, state = (a.astype(f32) for a in (A_log, dt_bias, beta, state))
 
@@ -193,17 +212,30 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         n_out = write_o + state_out + write_window
         outs = refs[11:11 + n_out]
         (qk_s, f_s, v_s, cw_s, cwv_s, dtb_s, beta_s, st_s,
-         q_s, k_s, kb_s, g_s, vb_s, o_s, bars, *win_s) = refs[11 + n_out:]
+         q_s, k_s, kb_s, g_s, vb_s, o_s, bars, *extra_s) = refs[11 + n_out:]
+        win_s, cw32_s = (extra_s[:2], extra_s[2:]) if not tiled else ((), extra_s)
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         j = lax.axis_index("v")
         cols = pl.ds(j * bv, bv)
+        if tiled:   # channel-major q / k rows [2, W + R, K] and this block's v columns [W + R, bv]:
+            # contiguous [R, .] row tiles for the register loads (Mosaic loads no strided tile)
+            qk_rows = lambda c, r: qk_s.at[c, r]          # noqa: E731
+            v_rows = lambda r: v_s.at[r]                  # noqa: E731
+            row_srcs = tuple((src.at[b, :, c, h, :], qk_s.at[c, dst]) for c in range(2)
+                             for src, dst in ((win_g, pl.ds(0, W)), (proj_g, pl.ds(W, T))))
+            row_srcs += ((winv_g.at[b, :, 2, h, j], v_s.at[pl.ds(0, W)]),
+                         (projv_g.at[b, :, 2, h, j], v_s.at[pl.ds(W, T)]))
+        else:
+            qk_rows = lambda c, r: qk_s.at[r, c]          # noqa: E731
+            v_rows = lambda r: v_s.at[r, j]               # noqa: E731
+            row_srcs = ((win_g.at[b, :, pl.ds(0, 2), h, :], qk_s.at[pl.ds(0, W)]),
+                        (proj_g.at[b, :, pl.ds(0, 2), h, :], qk_s.at[pl.ds(W, T)]),
+                        (winv_g.at[b, :, 2, h], v_s.at[pl.ds(0, W)]),
+                        (projv_g.at[b, :, 2, h], v_s.at[pl.ds(W, T)]))
         srcs = (   # rows of window ++ proj: history rows 0..W-1, then the block's T rows
-            (win_g.at[b, :, pl.ds(0, 2), h, :], qk_s.at[pl.ds(0, W)]),
-            (proj_g.at[b, :, pl.ds(0, 2), h, :], qk_s.at[pl.ds(W, T)]),
-            (winv_g.at[b, :, 2, h], v_s.at[pl.ds(0, W)]),
-            (projv_g.at[b, :, 2, h], v_s.at[pl.ds(W, T)]),
-            (proj_g.at[b, :, 3, h, :], f_s),
+            *row_srcs,
+            (proj_g.at[b, :, 3, h, :], f_s.at[pl.ds(0, T)]),
             (cw_g.at[:, pl.ds(0, 2), h, :], cw_s),
             (cwv_g.at[:, 2, h], cwv_s),
             (dtb_g.at[h], dtb_s),
@@ -228,9 +260,9 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
 
         def prep(t, carry):
             keep = t < n_valid
-            qk = [conv(lambda i: plgpu.load(qk_s.at[t + i, c], layout=row).astype(f32),
+            qk = [conv(lambda i: plgpu.load(qk_rows(c, t + i), layout=row).astype(f32),
                        lambda i: plgpu.load(cw_s.at[i, c], layout=row).astype(f32)) for c in range(2)]
-            v = conv(lambda i: plgpu.load(v_s.at[t + i, j], layout=col).astype(f32),
+            v = conv(lambda i: plgpu.load(v_rows(t + i), layout=col).astype(f32),
                      lambda i: plgpu.load(cwv_s.at[i, j], layout=col).astype(f32))
             q = qk[0] * (lax.rsqrt(jnp.sum(qk[0] * qk[0]) + L2_EPS) * scale)
             k = qk[1] * lax.rsqrt(jnp.sum(qk[1] * qk[1]) + L2_EPS)
@@ -248,17 +280,56 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             vb_s[t] = v * bt
             return carry
 
-        lax.fori_loop(0, steps, prep, jnp.int32(0))
-        if write_window:         # rows n .. n+W-1 of window ++ proj, staged for the TMA stores below
+        def prep_tiles():
+            """Every token at once: rows of [R, K] (q, k, g) and [R, bv] (v) register tiles."""
+            wg = plgpu.Layout.WGMMA
+            along = wg.reduce(0)                  # [K] / [bv] vectors broadcast along the token rows
+
+            def conv_tile(tile_of, w_of):
+                acc = tile_of(0) * w_of(0)[None, :]
+                for i in range(1, ks):
+                    acc = acc + tile_of(i) * w_of(i)[None, :]
+                return acc * _sigmoid(acc)
+
+            # the conv weights as float32 rows first: Mosaic loads no 16-bit row-broadcast [K] vector
+            cwq_s, cwv32_s = cw32_s
+            for i in range(ks):
+                for c in range(2):
+                    cwq_s[i, c] = plgpu.load(cw_s.at[i, c], layout=row).astype(f32)
+                cwv32_s[i] = plgpu.load(cwv_s.at[i, j], layout=col).astype(f32)
+            plgpu.commit_smem()
+            qk = [conv_tile(lambda i: plgpu.load(qk_rows(c, pl.ds(i, R)), layout=wg).astype(f32),
+                            lambda i: plgpu.load(cwq_s.at[i, c], layout=along)) for c in range(2)]
+            v = conv_tile(lambda i: plgpu.load(v_rows(pl.ds(i, R)), layout=wg).astype(f32),
+                          lambda i: plgpu.load(cwv32_s.at[i], layout=along))
+            q = qk[0] * (lax.rsqrt(jnp.sum(qk[0] * qk[0], axis=1) + L2_EPS) * scale)[:, None]
+            k = qk[1] * lax.rsqrt(jnp.sum(qk[1] * qk[1], axis=1) + L2_EPS)[:, None]
+            x = plgpu.load(f_s, layout=wg).astype(f32) + plgpu.load(dtb_s, layout=along)[None, :]
+            if safe_gate:
+                g = lower_bound * _sigmoid(a * x)
+            else:
+                g = -a * (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x))))
+            rows = plgpu.broadcasted_iota(jnp.int32, (R,), 0, layout=wg.reduce(1))
+            keep = (rows < n_valid).astype(f32)   # tokens t >= n: g = 0, the decay exp(0) = 1
+            q_s[...] = q
+            k_s[...] = k
+            g_s[...] = jnp.exp(g * keep[:, None])  # the decay factor, off the recurrence's serial path
+            vb_s[...] = v
+
+        if tiled:
+            prep_tiles()
+        else:
+            lax.fori_loop(0, steps, prep, jnp.int32(0))
+        if write_window and not tiled:   # rows n .. n+W-1 of window ++ proj, staged for the TMA stores
             wqk_s, wv_s = win_s
             for r in range(W):
-                wv_s[r] = plgpu.load(v_s.at[n_valid + r, j], layout=col)
+                wv_s[r] = plgpu.load(v_rows(n_valid + r), layout=col)
 
             @pl.when(j == 0)
             def _():
                 for r in range(W):
                     for c in range(2):
-                        wqk_s[r, c] = plgpu.load(qk_s.at[n_valid + r, c], layout=row)
+                        wqk_s[r, c] = plgpu.load(qk_rows(c, n_valid + r), layout=row)
         plgpu.commit_smem()                           # the rows above are read in other layouts below
         plgpu.barrier_wait(bars.at[len(srcs) - 1])
 
@@ -266,6 +337,16 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         S = plgpu.load(st_s, layout=plgpu.Layout.WGMMA)
 
         def step(t, S):
+            if tiled:       # exp(g) rows (1 past n) and unscaled v rows; beta 0 past n
+                b_t = beta_s[t, h]
+                bt = jnp.where(t < n_valid, _sigmoid(b_t) if beta_logits else b_t, 0.0)
+                S = S * plgpu.load(g_s.at[t], layout=row)[:, None]
+                k = plgpu.load(k_s.at[t], layout=row)
+                u = bt * (plgpu.load(vb_s.at[t], layout=col) - jnp.sum(S * k[:, None], axis=0))
+                S = S + k[:, None] * u[None, :]
+                if write_o:
+                    o_s[t] = jnp.sum(S * plgpu.load(q_s.at[t], layout=row)[:, None], axis=0)
+                return S
             S = S * jnp.exp(plgpu.load(g_s.at[t], layout=row))[:, None]
             u = plgpu.load(vb_s.at[t], layout=col) - jnp.sum(S * plgpu.load(kb_s.at[t], layout=row)[:, None], axis=0)
             S = S + plgpu.load(k_s.at[t], layout=row)[:, None] * u[None, :]
@@ -281,7 +362,15 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             plgpu.copy_smem_to_gmem(o_s, outs[0].at[b, :, h, cols])
         if write_state:      # in place: over the tile this program read at its start (s_g)
             plgpu.copy_smem_to_gmem(st_s, (s_g if state_in_place else outs[write_o]).at[b, h, :, cols])
-        if write_window:
+        if write_window and tiled:      # straight from the contiguous rows n .. n+W-1 (no staging)
+            win_g = outs[-1]
+            plgpu.copy_smem_to_gmem(v_s.at[pl.ds(n_valid, W)], win_g.at[b, :, 2, h, cols])
+
+            @pl.when(j == 0)
+            def _():
+                for c in range(2):
+                    plgpu.copy_smem_to_gmem(qk_s.at[c, pl.ds(n_valid, W)], win_g.at[b, :, c, h, :])
+        elif write_window:
             win_g = outs[-1]
             plgpu.copy_smem_to_gmem(wv_s, win_g.at[b, :, 2, h, cols])
 
@@ -297,23 +386,27 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         body,
         out_type=out_type,
         scratch_types=(
-            plgpu.SMEM((W + T, 2, K), dt),      # q, k rows of window ++ proj
-            plgpu.SMEM((T, K), dt),             # f rows
-            plgpu.SMEM((W + T, nv, bv), dt),    # v rows of window ++ proj, by column block
+            # q, k rows of window ++ proj (tiled: [2, W + R, K], rows past W + T unused)
+            plgpu.SMEM((2, W + R, K) if tiled else (W + T, 2, K), dt),
+            plgpu.SMEM((R, K), dt),             # f rows
+            # v rows of window ++ proj (tiled: this block's columns; else every column block)
+            plgpu.SMEM((W + R, bv) if tiled else (W + T, nv, bv), dt),
             plgpu.SMEM((ks, 2, K), dt),         # q, k conv weights
             plgpu.SMEM((ks, nv, bv), dt),       # v conv weights, by column block
             plgpu.SMEM((K,), f32),              # dt_bias
             plgpu.SMEM((T, Hp), f32),           # beta (every head of the batch row)
             plgpu.SMEM((K, bv), f32),           # state tile (in, then out)
-            plgpu.SMEM((T, K), f32),            # scale * normalised q
-            plgpu.SMEM((T, K), f32),            # normalised k
-            plgpu.SMEM((T, K), f32),            # beta k
-            plgpu.SMEM((T, K), f32),            # g (masked)
-            plgpu.SMEM((T, bv), f32),           # beta v
+            plgpu.SMEM((R, K), f32),            # scale * normalised q
+            plgpu.SMEM((R, K), f32),            # normalised k
+            plgpu.SMEM((T if not tiled else 1, K), f32),   # beta k (the token loop only)
+            plgpu.SMEM((R, K), f32),            # g (masked); tiled: exp of the masked g
+            plgpu.SMEM((R, bv), f32),           # beta v; tiled: v
             plgpu.SMEM((T, bv), f32),           # o
-            plgpu.Barrier(num_barriers=10),
+            plgpu.Barrier(num_barriers=12 if tiled else 10),     # one per TMA load
             *((plgpu.SMEM((W, 2, K), dt),        # the new window's q, k rows (first column block)
-               plgpu.SMEM((W, bv), dt)) if write_window else ()),   # its v columns of this block
+               plgpu.SMEM((W, bv), dt)) if write_window and not tiled else ()),   # its v columns of this block
+            *((plgpu.SMEM((ks, 2, K), f32),      # tiled: the q, k conv weights as float32
+               plgpu.SMEM((ks, bv), f32)) if tiled else ()),         # and this block's v conv weights
         ),
         grid=(B, H, V // bv),
         grid_names=("b", "h", "v"),

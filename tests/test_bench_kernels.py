@@ -90,3 +90,33 @@ def test_timing_loop_keeps_every_verify_call(verify, kept, monkeypatch):
     assert hlo.count(" dot(") == kept               # a dot is not duplicated into fusions
     out = run(xs_sets, state)
     assert jnp.array_equal(out[-1], state)          # the dependency leaves a finite state unchanged
+
+
+def test_variants_parse_and_reject():
+    assert kernels.parse_variants("") == [{}]
+    assert kernels.parse_variants("PREP_TILED=False; PREP_TILED=True,EXP2=False") == [
+        {"PREP_TILED": False}, {"PREP_TILED": True, "EXP2": False}]
+    with pytest.raises(ValueError, match="not a setting|NAME=VALUE"):
+        kernels.parse_variants("PREP_TILD=True")
+    with pytest.raises(ValueError, match="not a Python literal"):
+        kernels.parse_variants("PREP_TILED=yes")
+
+
+def test_variant_settings_hold_while_traced_then_restore():
+    """A variant's settings are what the kernel sees when traced, and the module's own afterwards."""
+    from pallas_kernels import kda_step_fused
+    before = kda_step_fused.PREP_TILED
+    seen = []
+    fn = kernels.with_kernel_settings(lambda x: seen.append(kda_step_fused.PREP_TILED) or x + 1,
+                                      {"PREP_TILED": not before})
+    assert jax.jit(fn)(1) == 2 and seen == [not before]
+    assert kda_step_fused.PREP_TILED == before
+    labels = [label for label, _ in kernels.impls(kernels.CASES[1], 64, [None], False,
+                                                   kernels.parse_variants("PREP_TILED=False;PREP_TILED=True"))]
+    assert labels == ["xla kda_chunked", "pallas bv=32 PREP_TILED=False", "pallas bv=32 PREP_TILED=True"]
+
+
+def test_kernels_bad_variant_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        kernels.main(BASE + ["--variants", "NOPE=1"])
+    assert e.value.code == 2 and "--variants" in capsys.readouterr().err

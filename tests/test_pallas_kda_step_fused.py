@@ -5,6 +5,7 @@ On CPU: Mosaic GPU interpret mode with race detection against the XLA reference
 dims 64 / 128, both gates, f32 and bf16 activations, masked prefixes (commit) and the write flags;
 cross-lowering for CUDA at the Ling shape. On a GPU (JAX_PLATFORMS=cuda; skipped elsewhere): the
 compiled kernel at the Ling shape against the reference. Speed: bench/kernels.py.
+Every test runs with both preparations (kda_step_fused.PREP_TILED: the token loop and the tiled pass).
 """
 
 import jax
@@ -24,6 +25,14 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (run with JAX_PLATFORMS=cuda)")
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["loop", "tiled"])
+def prep_tiled(request, monkeypatch):
+    """Both preparations of the kernel (read when it is traced)."""
+    from pallas_kernels import kda_step_fused
+    monkeypatch.setattr(kda_step_fused, "PREP_TILED", request.param)
+    return request.param
 
 
 def _inputs(B, T, H, K, *, dtype=F32, seed=0, ks=4):
