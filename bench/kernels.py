@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "of one call (bench.kernel_table)")
     ap.add_argument("--variants", default="", metavar="SETS",
                     help="kernel rows per setting group of pallas_kernels.kda_step_fused, ';'-separated groups of "
-                         "comma-separated NAME=VALUE (Python literals), e.g. 'PREP_TILED=False;PREP_TILED=True': "
+                         "comma-separated NAME=VALUE (Python literals), e.g. 'EXP2=False;EXP2=True': "
                          "an A/B in one process (the XLA row and the inputs shared); default: the module's settings")
     ap.add_argument("--own-barriers", action="store_true",
                     help="compile the fused step without Pallas' automatic SMEM barriers (kda_step_fused.OWN_BARRIERS "
@@ -173,7 +173,7 @@ def parse_variants(text: str) -> list[dict]:
             name = name.strip()
             if not eq or not name.isupper() or not hasattr(kf, name):
                 raise ValueError(f"variant setting {item!r}: expected NAME=VALUE with NAME a setting of "
-                                 "pallas_kernels.kda_step_fused (e.g. PREP_TILED=True)")
+                                 "pallas_kernels.kda_step_fused (e.g. EXP2=True)")
             try:
                 settings[name] = ast.literal_eval(value.strip())
             except (ValueError, SyntaxError):

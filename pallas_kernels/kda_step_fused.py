@@ -47,23 +47,6 @@ Design
   q (scaled), k, beta k, g go to SMEM as [T, K] float32 rows, beta v as [T, bv]. A loop, not an
   unrolled sequence: the unrolled form was 1.5 MB of MLIR at T = 9 (vs 0.28 MB) and, in its first
   version on the H200 (session 11), took 25 us per verify call in the model.
-* ``PREP_TILED`` (sessions 33-34, off by default until measured; blocks of T >= 2): the
-  preparation as one pass over register tiles whose rows are the block's tokens instead of a loop
-  over tokens (the loop is a serial chain of ~700 instructions per token, with two cross-warp L2-norm
-  reductions, that Nsight Compute found issuing at 0.39 instructions per cycle). q and k share one
-  [64, K] tile (q tokens in rows 0.., k tokens in rows ``QK_GAP`` = 32..: warps 0 and 2), the gate
-  has its own [64, K] tile and v a [64, span] one, where the span is the fewest whole column
-  blocks whose bf16 rows are a multiple of 128 bytes (64 columns for bv = 32; TMA needs 128-byte
-  aligned SMEM addresses, and a 64-byte row at W = 3 is not). The L2 norms become row reductions
-  within a quad of threads, exp(g) is computed there (off the recurrence's serial path), beta
-  scales u in the recurrence, and the new conv window goes out by TMA straight from the
-  128-byte rows. The conv weights are widened to float32 rows in SMEM first (a 16-bit
-  row-broadcast [K] vector does not lower). Rows past T are computed on unused SMEM rows and never
-  read. It compiles with jax 0.11.2 (254 registers, no spills); with ``EXP2`` a verify at T = 9
-  executes ~7,400 PTX instructions per thread against ~8,500 for the loop (10,400 for the loop
-  without ``EXP2``, the default): the gain it can
-  bring is instruction-level parallelism, not fewer instructions. jax 0.12's layout inference does
-  not finish on it (the kernel refuses it there).
 * Recurrence: a loop over tokens with the [K, bv] state tile in registers in the WGMMA fragment
   layout (K rows over the 4 warps), written with elementwise ops and one-axis reductions only:
   K-vectors in ``WGMMA.reduce(1)`` ("row") layout broadcast along columns (``S * x[:, None]``),
@@ -120,21 +103,14 @@ L2_EPS = 1e-6     # lingjax.ops.kda.l2_normalize
 # rows, 7.8 vs 9.9 us, came from a loop that kept 1 call in 8: bench/kernels.py next_state);
 # no measured gain in the model for a hand-audited setting. Read at trace time.
 OWN_BARRIERS = False
-# The preparation as one pass over register tiles whose rows are the block's tokens (module
-# docstring), instead of a loop over tokens. The same math up to float32 rounding. Read at trace
-# time; off until measured on a GPU; refused with jax >= 0.12 (its layout inference does not end).
-PREP_TILED = False
-PREP_ROWS = 64    # the WGMMA register tile's rows (>= MAX_T)
-PREP_TILED_MIN_T = 2   # tiled only for blocks of at least this many tokens (a decode step keeps the loop)
 # exp as exp2(x log2 e) in the kernel (sigmoids, gate, decay): one ex2.approx (relative error
 # ~2^-22) and a multiply instead of expf's ~10-instruction range reduction: ~18% fewer PTX
-# instructions per thread for a verify at T = 9 (10,400 -> 8,500, the token loop; the tiled
-# preparation computes ~225 exps per thread). Off until measured on a GPU (session 34 had none).
-# Read at trace time.
+# instructions per thread for a verify at T = 9 (10,400 -> 8,500; 708 -> 536 per token in the
+# preparation loop, 406 -> 372 in the recurrence). On an H100 (session 34): verify T = 9 16.91 ->
+# 15.93 us per call (`net`), a commit of 5 of 9 tokens unchanged (11.65 vs 11.68), relative RMSE
+# vs float64 1.2e-7 -> 1.3e-7; off until the DSpark step is measured with it. Read at trace time.
 EXP2 = False
 LOG2_E = 1.4426950408889634
-QK_GAP = 32       # tiled: the k rows' offset from the q rows in the q / k tile (>= W + T; a warp's rows
-                  # are 16 consecutive rows, so q (rows 0..) and k (rows 32..) fall on warps 0 and 2)
 
 
 def pick_block_v(V: int, block_v: int | None) -> int:
@@ -147,13 +123,6 @@ def pick_block_v(V: int, block_v: int | None) -> int:
         if V % cand == 0:
             return cand
     raise ValueError(f"V={V} must be a multiple of 8")
-
-
-def _shift(r, off: int):
-    """Row index or slice r moved down by `off` rows."""
-    if isinstance(r, pl.Slice):
-        return pl.ds(r.start + off, r.size)
-    return r + off
 
 
 def _exp(x):
@@ -217,31 +186,17 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
     dt = jnp.dtype(proj.dtype)
     f32 = jnp.float32
     n_tok = jnp.clip(jnp.asarray(T if n is None else n, jnp.int32), 0, T).reshape(1)
-    tiled = PREP_TILED and T >= PREP_TILED_MIN_T and ks - 1 + T <= QK_GAP
-    if tiled and not interpret and jax.__version_info__ >= (0, 12):
-        raise NotImplementedError(
-            f"PREP_TILED=True does not compile with jax {jax.__version__}: Mosaic GPU's layout inference (jax >= "
-            "0.12) searches the SMEM transforms of its tiles without end; use jax 0.11.2 or PREP_TILED=False")
-    R = PREP_ROWS if tiled else T                   # token rows of the SMEM preparation buffers
     window, conv_w = window.astype(dt), conv_w.astype(dt)
     A_log, dt_bias, beta, state = (a.astype(f32) for a in (A_log, dt_bias, beta, state))
 
-    # tiled: each program prepares the v columns of a span of whole column blocks whose rows are
-    # multiples of 128 bytes (64 bf16 columns for bv = 32), so that the TMA copies of its rows land
-    # at 128-byte-aligned SMEM addresses whatever the row (TMA needs that; a 64-byte row at W = 3
-    # does not); the recurrence then reads its own bv columns of the span
-    span = bv
-    if tiled:
-        span = next((bv * m for m in range(1, V // bv + 1)
-                     if V % (bv * m) == 0 and bv * m * dt.itemsize % 128 == 0), V)
     nv = V // bv
     # free reshapes: the v channel as [.., nv, bv] column blocks, so each program's columns are one
     # leading index of a contiguous [.., K] row; beta padded to >= 4 heads (a TMA row is >= 16 bytes)
     Hp = -(-H // 4) * 4
     beta_p = beta if Hp == H else jnp.pad(beta, ((0, 0), (0, 0), (0, Hp - H)))
-    proj_v = proj.reshape(B, T, P, H, V // span, span)
-    window_v = window.reshape(B, W, 3, H, V // span, span)
-    conv_v = conv_w.reshape(ks, 3, H, V // span, span)
+    proj_v = proj.reshape(B, T, P, H, nv, bv)
+    window_v = window.reshape(B, W, 3, H, nv, bv)
+    conv_v = conv_w.reshape(ks, 3, H, nv, bv)
 
     row = plgpu.Layout.WGMMA.reduce(1)              # [K] vectors, broadcast along columns
     col = plgpu.Layout.WGMMA.reduce(0)              # [bv] vectors, broadcast along rows
@@ -252,34 +207,19 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         n_out = write_o + state_out + write_window
         outs = refs[11:11 + n_out]
         (qk_s, f_s, v_s, cw_s, cwv_s, dtb_s, beta_s, st_s,
-         q_s, k_s, kb_s, g_s, vb_s, o_s, bars, *extra_s) = refs[11 + n_out:]
-        n_win = 2 * (write_window and not tiled)         # staging rows of the new window
-        win_s, (cwq_s, cwv32_s) = extra_s[:n_win], (extra_s[n_win:] if tiled else (None,) * 2)
+         q_s, k_s, kb_s, g_s, vb_s, o_s, bars, *win_s) = refs[11 + n_out:]
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         j = lax.axis_index("v")
         cols = pl.ds(j * bv, bv)
-        js, jv = j // (span // bv), pl.ds((j % (span // bv)) * bv, bv)   # this span, its columns in it
-        if tiled:   # q / k rows [W + R, K] (the k rows from row QK_GAP) and the span's v columns
-            # [W + R, span]: contiguous [R, .] row tiles for the register loads (Mosaic loads no strided tile)
-            qk_rows = lambda c, r: qk_s.at[_shift(r, c * QK_GAP)]   # noqa: E731
-            v_rows = lambda r: v_s.at[r]                  # noqa: E731
-            row_srcs = tuple((src.at[b, :, c, h, :], qk_s.at[pl.ds(c * QK_GAP + r0, n)]) for c in range(2)
-                             for src, r0, n in ((win_g, 0, W), (proj_g, W, T)))
-            row_srcs += ((winv_g.at[b, :, 2, h, js], v_s.at[pl.ds(0, W)]),
-                         (projv_g.at[b, :, 2, h, js], v_s.at[pl.ds(W, T)]))
-        else:
-            qk_rows = lambda c, r: qk_s.at[r, c]          # noqa: E731
-            v_rows = lambda r: v_s.at[r, j]               # noqa: E731
-            row_srcs = ((win_g.at[b, :, pl.ds(0, 2), h, :], qk_s.at[pl.ds(0, W)]),
-                        (proj_g.at[b, :, pl.ds(0, 2), h, :], qk_s.at[pl.ds(W, T)]),
-                        (winv_g.at[b, :, 2, h], v_s.at[pl.ds(0, W)]),
-                        (projv_g.at[b, :, 2, h], v_s.at[pl.ds(W, T)]))
         srcs = (   # rows of window ++ proj: history rows 0..W-1, then the block's T rows
-            *row_srcs,
-            (proj_g.at[b, :, 3, h, :], f_s.at[pl.ds(0, T)]),
+            (win_g.at[b, :, pl.ds(0, 2), h, :], qk_s.at[pl.ds(0, W)]),
+            (proj_g.at[b, :, pl.ds(0, 2), h, :], qk_s.at[pl.ds(W, T)]),
+            (winv_g.at[b, :, 2, h], v_s.at[pl.ds(0, W)]),
+            (projv_g.at[b, :, 2, h], v_s.at[pl.ds(W, T)]),
+            (proj_g.at[b, :, 3, h, :], f_s),
             (cw_g.at[:, pl.ds(0, 2), h, :], cw_s),
-            (cwv_g.at[:, 2, h, js] if tiled else cwv_g.at[:, 2, h], cwv_s),
+            (cwv_g.at[:, 2, h], cwv_s),
             (dtb_g.at[h], dtb_s),
             (beta_g.at[b], beta_s),
             (s_g.at[b, h, :, cols], st_s),            # awaited last (after the preparation)
@@ -302,9 +242,9 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
 
         def prep(t, carry):
             keep = t < n_valid
-            qk = [conv(lambda i: plgpu.load(qk_rows(c, t + i), layout=row).astype(f32),
+            qk = [conv(lambda i: plgpu.load(qk_s.at[t + i, c], layout=row).astype(f32),
                        lambda i: plgpu.load(cw_s.at[i, c], layout=row).astype(f32)) for c in range(2)]
-            v = conv(lambda i: plgpu.load(v_rows(t + i), layout=col).astype(f32),
+            v = conv(lambda i: plgpu.load(v_s.at[t + i, j], layout=col).astype(f32),
                      lambda i: plgpu.load(cwv_s.at[i, j], layout=col).astype(f32))
             q = qk[0] * (lax.rsqrt(jnp.sum(qk[0] * qk[0]) + L2_EPS) * scale)
             k = qk[1] * lax.rsqrt(jnp.sum(qk[1] * qk[1]) + L2_EPS)
@@ -322,60 +262,17 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             vb_s[t] = v * bt
             return carry
 
-        def prep_tiles():
-            """Every token at once, in register tiles whose rows are tokens: q and k together in one
-            [R, K] tile (q tokens in rows 0.., k tokens in rows QK_GAP..), the gate [R, K], v [R, span]."""
-            wg = plgpu.Layout.WGMMA
-            along = wg.reduce(0)                  # [K] / [bv] vectors broadcast along the token rows
-            rows = plgpu.broadcasted_iota(jnp.int32, (R,), 0, layout=wg.reduce(1))
-            is_q = (rows < QK_GAP).astype(f32)    # 1 on the q rows of the q / k tile, 0 on the k rows
-
-            def conv_tile(tile_of, w_of):
-                acc = tile_of(0) * w_of(0)
-                for i in range(1, ks):
-                    acc = acc + tile_of(i) * w_of(i)
-                return acc * _sigmoid(acc)
-
-            # the conv weights as float32 rows first: Mosaic loads no 16-bit row-broadcast [K] vector
-            for i in range(ks):
-                for c in range(2):
-                    cwq_s[i, c] = plgpu.load(cw_s.at[i, c], layout=row).astype(f32)
-                cwv32_s[i] = plgpu.load(cwv_s.at[i], layout=col).astype(f32)
-            plgpu.commit_smem()
-
-            def qk_weight(i):                     # tap i's q weights on the q rows, k weights on the k rows
-                w_k = plgpu.load(cwq_s.at[i, 1], layout=along)
-                return w_k[None, :] + is_q[:, None] * (plgpu.load(cwq_s.at[i, 0], layout=along) - w_k)[None, :]
-
-            qk = conv_tile(lambda i: plgpu.load(qk_s.at[pl.ds(i, R)], layout=wg).astype(f32), qk_weight)
-            v = conv_tile(lambda i: plgpu.load(v_rows(pl.ds(i, R)), layout=wg).astype(f32),
-                          lambda i: plgpu.load(cwv32_s.at[i], layout=along)[None, :])
-            row_scale = 1.0 + is_q * (scale - 1.0)  # scale on the q rows
-            qk = qk * (lax.rsqrt(jnp.sum(qk * qk, axis=1) + L2_EPS) * row_scale)[:, None]
-            x = plgpu.load(f_s, layout=wg).astype(f32) + plgpu.load(dtb_s, layout=along)[None, :]
-            if safe_gate:
-                g = lower_bound * _sigmoid(a * x)
-            else:
-                g = -a * (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x))))
-            keep = (rows < n_valid).astype(f32)   # tokens t >= n: g = 0, the decay exp(0) = 1
-            q_s[...] = qk                         # q rows 0.., k rows QK_GAP..
-            g_s[...] = _exp(g * keep[:, None])  # the decay factor, off the recurrence's serial path
-            vb_s[...] = v
-
-        if tiled:
-            prep_tiles()
-        else:
-            lax.fori_loop(0, steps, prep, jnp.int32(0))
-        if write_window and not tiled:   # rows n .. n+W-1 of window ++ proj, staged for the TMA stores
+        lax.fori_loop(0, steps, prep, jnp.int32(0))
+        if write_window:         # rows n .. n+W-1 of window ++ proj, staged for the TMA stores below
             wqk_s, wv_s = win_s
             for r in range(W):
-                wv_s[r] = plgpu.load(v_rows(n_valid + r), layout=col)
+                wv_s[r] = plgpu.load(v_s.at[n_valid + r, j], layout=col)
 
             @pl.when(j == 0)
             def _():
                 for r in range(W):
                     for c in range(2):
-                        wqk_s[r, c] = plgpu.load(qk_rows(c, n_valid + r), layout=row)
+                        wqk_s[r, c] = plgpu.load(qk_s.at[n_valid + r, c], layout=row)
         plgpu.commit_smem()                           # the rows above are read in other layouts below
         plgpu.barrier_wait(bars.at[len(srcs) - 1])
 
@@ -383,16 +280,6 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         S = plgpu.load(st_s, layout=plgpu.Layout.WGMMA)
 
         def step(t, S):
-            if tiled:       # exp(g) rows (1 past n) and unscaled v rows; beta 0 past n
-                b_t = beta_s[t, h]
-                bt = jnp.where(t < n_valid, _sigmoid(b_t) if beta_logits else b_t, 0.0)
-                S = S * plgpu.load(g_s.at[t], layout=row)[:, None]
-                k = plgpu.load(q_s.at[QK_GAP + t], layout=row)
-                u = bt * (plgpu.load(vb_s.at[t, jv], layout=col) - jnp.sum(S * k[:, None], axis=0))
-                S = S + k[:, None] * u[None, :]
-                if write_o:
-                    o_s[t] = jnp.sum(S * plgpu.load(q_s.at[t], layout=row)[:, None], axis=0)
-                return S
             S = S * _exp(plgpu.load(g_s.at[t], layout=row))[:, None]
             u = plgpu.load(vb_s.at[t], layout=col) - jnp.sum(S * plgpu.load(kb_s.at[t], layout=row)[:, None], axis=0)
             S = S + plgpu.load(k_s.at[t], layout=row)[:, None] * u[None, :]
@@ -408,24 +295,13 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             plgpu.copy_smem_to_gmem(o_s, outs[0].at[b, :, h, cols])
         if write_state:      # in place: over the tile this program read at its start (s_g)
             plgpu.copy_smem_to_gmem(st_s, (s_g if state_in_place else outs[write_o]).at[b, h, :, cols])
-        if write_window and tiled:   # rows n .. n+W-1 straight from the SMEM rows (128-byte multiples)
+        if write_window:
             win_g = outs[-1]
-
-            @pl.when(j % (span // bv) == 0)          # the span's v columns, by one of its programs
-            def _():
-                plgpu.copy_smem_to_gmem(v_s.at[pl.ds(n_valid, W)], win_g.at[b, :, 2, h, pl.ds(js * span, span)])
+            plgpu.copy_smem_to_gmem(wv_s, win_g.at[b, :, 2, h, cols])
 
             @pl.when(j == 0)
             def _():
-                for c in range(2):
-                    plgpu.copy_smem_to_gmem(qk_rows(c, pl.ds(n_valid, W)), win_g.at[b, :, c, h, :])
-        elif write_window:
-            win_g = outs[-1]
-            plgpu.copy_smem_to_gmem(win_s[1], win_g.at[b, :, 2, h, cols])
-
-            @pl.when(j == 0)
-            def _():
-                plgpu.copy_smem_to_gmem(win_s[0], win_g.at[b, :, pl.ds(0, 2), h, :])
+                plgpu.copy_smem_to_gmem(wqk_s, win_g.at[b, :, pl.ds(0, 2), h, :])
         plgpu.wait_smem_to_gmem(0)
 
     out_type = ((jax.ShapeDtypeStruct((B, T, H, V), f32),) * write_o
@@ -435,27 +311,23 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         body,
         out_type=out_type,
         scratch_types=(
-            # q, k rows of window ++ proj (tiled: [W + R, K], q rows from row 0, k rows from QK_GAP)
-            plgpu.SMEM((W + R, K) if tiled else (W + T, 2, K), dt),
-            plgpu.SMEM((R, K), dt),             # f rows
-            # v rows of window ++ proj (tiled: the span's columns; else every column block)
-            plgpu.SMEM((W + R, span) if tiled else (W + T, nv, bv), dt),
+            plgpu.SMEM((W + T, 2, K), dt),      # q, k rows of window ++ proj
+            plgpu.SMEM((T, K), dt),             # f rows
+            plgpu.SMEM((W + T, nv, bv), dt),    # v rows of window ++ proj, by column block
             plgpu.SMEM((ks, 2, K), dt),         # q, k conv weights
-            plgpu.SMEM((ks, span) if tiled else (ks, nv, bv), dt),   # v conv weights (tiled: the span)
+            plgpu.SMEM((ks, nv, bv), dt),       # v conv weights, by column block
             plgpu.SMEM((K,), f32),              # dt_bias
             plgpu.SMEM((T, Hp), f32),           # beta (every head of the batch row)
             plgpu.SMEM((K, bv), f32),           # state tile (in, then out)
-            plgpu.SMEM((R, K), f32),            # scale * normalised q
-            plgpu.SMEM((1 if tiled else T, K), f32),   # normalised k (tiled: rows QK_GAP.. of q_s)
-            plgpu.SMEM((T if not tiled else 1, K), f32),   # beta k (the token loop only)
-            plgpu.SMEM((R, K), f32),            # g (masked); tiled: exp of the masked g
-            plgpu.SMEM((R, span), f32),         # beta v; tiled: v (the span's columns)
+            plgpu.SMEM((T, K), f32),            # scale * normalised q
+            plgpu.SMEM((T, K), f32),            # normalised k
+            plgpu.SMEM((T, K), f32),            # beta k
+            plgpu.SMEM((T, K), f32),            # g (masked)
+            plgpu.SMEM((T, bv), f32),           # beta v
             plgpu.SMEM((T, bv), f32),           # o
-            plgpu.Barrier(num_barriers=12 if tiled else 10),     # one per TMA load
+            plgpu.Barrier(num_barriers=10),
             *((plgpu.SMEM((W, 2, K), dt),        # the new window's q, k rows (first column block)
-               plgpu.SMEM((W, bv), dt)) if write_window and not tiled else ()),   # its v columns of this block
-            *((plgpu.SMEM((ks, 2, K), f32),      # tiled: the q, k conv weights as float32,
-               plgpu.SMEM((ks, span), f32)) if tiled else ()),    # and the span's v conv weights
+               plgpu.SMEM((W, bv), dt)) if write_window else ()),   # its v columns of this block
         ),
         grid=(B, H, V // bv),
         grid_names=("b", "h", "v"),

@@ -94,26 +94,26 @@ def test_timing_loop_keeps_every_verify_call(verify, kept, monkeypatch):
 
 def test_variants_parse_and_reject():
     assert kernels.parse_variants("") == [{}]
-    assert kernels.parse_variants("PREP_TILED=False; PREP_TILED=True,EXP2=False") == [
-        {"PREP_TILED": False}, {"PREP_TILED": True, "EXP2": False}]
-    with pytest.raises(ValueError, match="not a setting|NAME=VALUE"):
-        kernels.parse_variants("PREP_TILD=True")
+    assert kernels.parse_variants("EXP2=False; EXP2=True,OWN_BARRIERS=True") == [
+        {"EXP2": False}, {"EXP2": True, "OWN_BARRIERS": True}]
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        kernels.parse_variants("EXP=True")
     with pytest.raises(ValueError, match="not a Python literal"):
-        kernels.parse_variants("PREP_TILED=yes")
+        kernels.parse_variants("EXP2=yes")
 
 
 def test_variant_settings_hold_while_traced_then_restore():
     """A variant's settings are what the kernel sees when traced, and the module's own afterwards."""
     from pallas_kernels import kda_step_fused
-    before = kda_step_fused.PREP_TILED
+    before = kda_step_fused.EXP2
     seen = []
-    fn = kernels.with_kernel_settings(lambda x: seen.append(kda_step_fused.PREP_TILED) or x + 1,
-                                      {"PREP_TILED": not before})
+    fn = kernels.with_kernel_settings(lambda x: seen.append(kda_step_fused.EXP2) or x + 1,
+                                      {"EXP2": not before})
     assert jax.jit(fn)(1) == 2 and seen == [not before]
-    assert kda_step_fused.PREP_TILED == before
+    assert kda_step_fused.EXP2 == before
     labels = [label for label, _ in kernels.impls(kernels.CASES[1], 64, [None], False,
-                                                   kernels.parse_variants("PREP_TILED=False;PREP_TILED=True"))]
-    assert labels == ["xla kda_chunked", "pallas bv=32 PREP_TILED=False", "pallas bv=32 PREP_TILED=True"]
+                                                   kernels.parse_variants("EXP2=False;EXP2=True"))]
+    assert labels == ["xla kda_chunked", "pallas bv=32 EXP2=False", "pallas bv=32 EXP2=True"]
 
 
 def test_kernels_bad_variant_flag(capsys):

@@ -5,7 +5,6 @@ On CPU: Mosaic GPU interpret mode with race detection against the XLA reference
 dims 64 / 128, both gates, f32 and bf16 activations, masked prefixes (commit) and the write flags;
 cross-lowering for CUDA at the Ling shape. On a GPU (JAX_PLATFORMS=cuda; skipped elsewhere): the
 compiled kernel at the Ling shape against the reference. Speed: bench/kernels.py.
-Every test runs with both preparations (kda_step_fused.PREP_TILED: the token loop and the tiled pass).
 """
 
 import jax
@@ -25,27 +24,6 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA Hopper GPU (run with JAX_PLATFORMS=cuda)")
-
-
-CROSS_LOWERING_TESTS = {"test_cross_lowers_for_cuda_real_shape", "test_state_in_place_cross_lowers_with_an_alias",
-                        "test_window_output_cross_lowers", "test_beta_logits_cross_lower",
-                        "test_tiled_preparation_is_a_different_kernel_for_blocks_only",
-                        "test_own_barriers_build_cross_lowers"}
-
-
-@pytest.fixture(autouse=True, params=[False, True], ids=["loop", "tiled"])
-def prep_tiled(request, monkeypatch):
-    """Both preparations of the kernel (read when it is traced); the tiled one only where it applies
-    (blocks of >= PREP_TILED_MIN_T tokens: a decode step keeps the loop, which the loop row tests)."""
-    from pallas_kernels import kda_step_fused
-    T = getattr(request.node, "callspec", None) and request.node.callspec.params.get("T")
-    if request.param and T is not None and T < kda_step_fused.PREP_TILED_MIN_T:
-        pytest.skip(f"T={T}: the tiled preparation is for blocks of >= {kda_step_fused.PREP_TILED_MIN_T} tokens")
-    if request.param and request.node.originalname in CROSS_LOWERING_TESTS and jax.__version_info__ >= (0, 12):
-        pytest.skip("the tiled preparation does not lower with jax >= 0.12: its Mosaic GPU layout inference "
-                    "searches SMEM transforms without end (session 34); it lowers and compiles with jax 0.11.2")
-    monkeypatch.setattr(kda_step_fused, "PREP_TILED", request.param)
-    return request.param
 
 
 def _inputs(B, T, H, K, *, dtype=F32, seed=0, ks=4):
@@ -167,6 +145,19 @@ def test_interpret_exp2_matches_reference(T, n, safe_gate, monkeypatch):
     fo, fs = _reference(tuple(args), n, dtype=jnp.float64, beta_logits=True, safe_gate=safe_gate)
     assert _rel(o, fo) <= 1e-5 and _rel(s, fs) <= 1e-5, (_rel(o, fo), _rel(s, fs))
 
+
+def test_exp2_build_cross_lowers(monkeypatch):
+    """EXP2 = True lowers for CUDA at the Ling shape, to a different module than the default."""
+    from pallas_kernels import kda_step_fused
+    args = _inputs(1, 9, 32, 128, dtype=BF16)
+    texts = []
+    for on in (True, False):
+        monkeypatch.setattr(kda_step_fused, "EXP2", on)
+        fn = jax.jit(lambda *a: kda_fused_step_pallas(*a, write_state=False))     # traced anew
+        texts.append(fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+    assert all("mosaic_gpu" in t for t in texts) and texts[0] != texts[1]
+
+
 @interpret_only
 def test_interpret_write_flags():
     args = _inputs(1, 3, 1, 64, seed=9)
@@ -287,21 +278,6 @@ def test_beta_logits_cross_lower(T, write_o):
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_tiled_preparation_is_a_different_kernel_for_blocks_only(prep_tiled):
-    """PREP_TILED changes the kernel of a verify block (T = 9) and leaves a decode step's (T = 1)."""
-    from pallas_kernels import kda_step_fused
-    if not prep_tiled:
-        pytest.skip("compares both builds once (the tiled row)")
-
-    def text(T, tiled):
-        kda_step_fused.PREP_TILED = tiled
-        args = _inputs(1, T, 32, 128, dtype=BF16)
-        fn = jax.jit(lambda *a: kda_fused_step_pallas(*a, write_state=T == 1))     # traced anew
-        return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text(9, True) != text(9, False)
-    assert text(1, True) == text(1, False)
-
-
 def test_own_barriers_build_cross_lowers(monkeypatch):
     """OWN_BARRIERS = True (no automatic SMEM barriers, bench/kernels.py --own-barriers) lowers
     too, to a different module than the default."""
@@ -336,7 +312,8 @@ def test_gpu_matches_reference(T, dtype, safe_gate):
 @gpu_only
 @pytest.mark.parametrize("T,n", [(1, None), (9, None), (9, 5)])
 def test_gpu_exp2_matches_reference(T, n, monkeypatch):
-    """EXP2 on the GPU (ex2.approx) at the Ling shape against float64, as the default exp."""
+    """EXP2 on the GPU (ex2.approx) at the Ling shape against float64, as the default exp
+    (session 34: 3 passed on an H100)."""
     from pallas_kernels import kda_step_fused
     monkeypatch.setattr(kda_step_fused, "EXP2", True)
     args, logits = _logit_inputs(T, seed=51 + T, H=32, K=128)
@@ -384,12 +361,3 @@ def test_gpu_window_output(T, n, write_o):
     np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
     if write_o:
         np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
-
-
-@pytest.mark.skipif(jax.__version_info__ < (0, 12), reason="jax 0.11 compiles the tiled preparation")
-def test_tiled_preparation_refuses_jax_0_12_instead_of_hanging(prep_tiled):
-    if not prep_tiled:
-        pytest.skip("the tiled row")
-    args = _inputs(1, 9, 32, 128, dtype=BF16)
-    with pytest.raises(NotImplementedError, match="PREP_TILED=True does not compile with jax"):
-        jax.jit(lambda *a: kda_fused_step_pallas(*a, write_state=False)).trace(*args).lower(lowering_platforms=("cuda",))
