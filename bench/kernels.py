@@ -1,6 +1,7 @@
 """The fused KDA step kernel against the model's XLA path at Ling shapes: time, error, % of the memory floor.
 
     python -m bench.kernels [--iters 200] [--block-v 16,32,64,128] [--cases verify9] [--states 35] [--out DIR]
+    python -m bench.kernels --cases verify9 --variants "EXP2=False;EXP2=True"   # an A/B of kernel settings
     python -m bench.kernels --interpret --iters 2      # CPU smoke: interpret mode, small shapes
 
 Cases (B=1, H=32, K=V=128; the input projection, conv window and weights bf16; gate parameters,
@@ -434,12 +435,12 @@ def main(argv=None) -> dict:
     if any(x not in names for x in picked):
         ap.error(f"--cases {a.cases}: each must be one of {','.join(names)}")
     block_vs = int_list(ap, a.block_v, "--block-v") or [None]
+    if not a.no_xla_defaults:
+        xla_env.configure()     # before jax is imported (parse_variants imports the kernel module)
     try:
         variants = parse_variants(a.variants)
     except ValueError as e:
         ap.error(f"--variants: {e}")
-    if not a.no_xla_defaults:
-        xla_env.configure()
     import jax
     if a.own_barriers:
         from pallas_kernels import kda_step_fused
