@@ -143,8 +143,9 @@ def xla_path(case: Case, xs, s):
 def next_state(outs, state):
     """The state the timing loops (`time_loop`, `time_loop_states`) pass to the next call: the
     call's last output. A call that returns its input `state` itself (a verify, which writes no
-    state) passes it on made to depend on the call's o by a one-element in-place update that adds 0 * o[0] (XLA keeps a float x * 0, which
-    is not 0 for inf / NaN; the state is unchanged for a finite o). Without a data dependency XLA
+    state) passes it on made to depend on the call's o by a one-element in-place update that adds
+    0 * o[0] (XLA keeps a float x * 0, which is not 0 for inf / NaN; the state is unchanged for a
+    finite o). Without a data dependency XLA
     dropped every verify call of a loop iteration but the last (an optimization barrier on (s, o)
     did not stop it): the verify `loop` rows up to session 32 (and session 15's 9.9 us) timed one
     kernel per 8 calls, run 121. The update is one tiny kernel per call, counted in those rows."""
@@ -162,25 +163,12 @@ def chained_call(fn, xs, state):
 
 
 def parse_variants(text: str) -> list[dict]:
-    """'A=1,B=True;A=2' -> [{'A': 1, 'B': True}, {'A': 2}] (names checked against kda_step_fused);
-    '' -> [{}] (the module's settings). ValueError saying what is wrong."""
-    import ast
+    """'A=1,B=True;A=2' -> [{'A': 1, 'B': True}, {'A': 2}], settings of pallas_kernels.kda_step_fused
+    (bench.with_settings.parse); '' -> [{}] (the module's settings). ValueError saying what is wrong."""
+    from bench.with_settings import parse
     from pallas_kernels import kda_step_fused as kf
-    groups = []
-    for group in [g for g in text.split(";") if g.strip()] or [""]:
-        settings = {}
-        for item in [x for x in group.split(",") if x.strip()]:
-            name, eq, value = item.partition("=")
-            name = name.strip()
-            if not eq or not name.isupper() or not hasattr(kf, name):
-                raise ValueError(f"variant setting {item!r}: expected NAME=VALUE with NAME a setting of "
-                                 "pallas_kernels.kda_step_fused (e.g. EXP2=True)")
-            try:
-                settings[name] = ast.literal_eval(value.strip())
-            except (ValueError, SyntaxError):
-                raise ValueError(f"variant setting {item!r}: {value!r} is not a Python literal") from None
-        groups.append(settings)
-    return groups
+    return [dict(parse(kf, item) for item in group.split(",") if item.strip())
+            for group in [g for g in text.split(";") if g.strip()] or [""]]
 
 
 def with_kernel_settings(fn, settings: dict):

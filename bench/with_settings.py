@@ -17,20 +17,31 @@ import runpy
 import sys
 
 
+def parse(module, assign: str) -> tuple[str, object]:
+    """("NAME=VALUE", module) -> (NAME, the literal VALUE); ValueError unless `module` already
+    defines NAME (a misspelt name is refused rather than silently added) and VALUE is a Python literal."""
+    name, eq, value = assign.partition("=")
+    name = name.strip()
+    if not eq or not name:
+        raise ValueError(f"setting {assign!r} is not of the form NAME=VALUE")
+    if not hasattr(module, name):
+        raise ValueError(f"{module.__name__} has no setting {name!r}")
+    try:
+        return name, ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        raise ValueError(f"value {value!r} of {assign!r} is not a Python literal") from None
+
+
 def apply(spec: str) -> str:
     """Set one "package.module:NAME=VALUE" setting; returns a line saying what was set."""
-    try:
-        mod, assign = spec.split(":", 1)
-        name, value = assign.split("=", 1)
-    except ValueError:
-        raise SystemExit(f"setting {spec!r} is not of the form package.module:NAME=VALUE") from None
+    mod, colon, assign = spec.partition(":")
+    if not colon:
+        raise SystemExit(f"setting {spec!r} is not of the form package.module:NAME=VALUE")
     m = importlib.import_module(mod)
-    if not hasattr(m, name):
-        raise SystemExit(f"{mod} has no setting {name!r}")
     try:
-        parsed = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        raise SystemExit(f"value {value!r} of {spec!r} is not a Python literal") from None
+        name, parsed = parse(m, assign)
+    except ValueError as e:
+        raise SystemExit(f"{spec!r}: {e}") from None
     setattr(m, name, parsed)
     return f"[with_settings] {mod}.{name} = {parsed!r}"
 

@@ -96,8 +96,10 @@ def test_variants_parse_and_reject():
     assert kernels.parse_variants("") == [{}]
     assert kernels.parse_variants("EXP2=False; EXP2=True,OWN_BARRIERS=True") == [
         {"EXP2": False}, {"EXP2": True, "OWN_BARRIERS": True}]
-    with pytest.raises(ValueError, match="NAME=VALUE"):
+    with pytest.raises(ValueError, match="no setting 'EXP'"):
         kernels.parse_variants("EXP=True")
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        kernels.parse_variants("EXP2")
     with pytest.raises(ValueError, match="not a Python literal"):
         kernels.parse_variants("EXP2=yes")
 
