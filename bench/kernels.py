@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kernel rows per setting group of pallas_kernels.kda_step_fused, ';'-separated groups of "
                          "comma-separated NAME=VALUE (Python literals), e.g. 'EXP2=False;EXP2=True': "
                          "an A/B in one process (the XLA row and the inputs shared); default: the module's settings")
+    ap.add_argument("--no-xla", action="store_true",
+                    help="leave out the XLA row of each case (it compiles slowly: ~90 s a case on an H100); the "
+                         "first kernel row is then the one the others' max|d.| compare with")
     ap.add_argument("--own-barriers", action="store_true",
                     help="compile the fused step without Pallas' automatic SMEM barriers (kda_step_fused.OWN_BARRIERS "
                          "= True; off by default: no full-depth gain measured) for an A/B")
@@ -190,11 +193,11 @@ def with_kernel_settings(fn, settings: dict):
     return run
 
 
-def impls(case: Case, V: int, block_vs, interpret, variants=({},)) -> list[tuple[str, Callable]]:
-    """[(label, f(xs, state) -> outputs tuple whose last entry is the state to chain)], XLA first;
-    kernel rows for each block_v and each settings group of `variants` (parse_variants)."""
+def impls(case: Case, V: int, block_vs, interpret, variants=({},), xla: bool = True) -> list[tuple[str, Callable]]:
+    """[(label, f(xs, state) -> outputs tuple whose last entry is the state to chain)], XLA first (unless
+    xla=False); kernel rows for each block_v and each settings group of `variants` (parse_variants)."""
     out = [("xla " + ("kda_state_after_prefix" if case.commit else "kda_step" if case.T == 1 else "kda_chunked"),
-            lambda xs, s: xla_path(case, xs, s))]
+            lambda xs, s: xla_path(case, xs, s))] if xla else []
     for settings in variants:
         tag = " ".join(f"{k}={v}" for k, v in settings.items())
         out += [(label + (f" {tag}" if tag else ""), with_kernel_settings(fn, settings))
@@ -325,7 +328,7 @@ def as_layer_call(fn):
 
 
 def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: float,
-             profile: str | None = None, states: int = 0, variants=({},)) -> list[dict]:
+             profile: str | None = None, states: int = 0, variants=({},), xla: bool = True) -> list[dict]:
     from bench import kernel_table
     import jax
     import jax.numpy as jnp
@@ -337,7 +340,7 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
     floor_s = nbytes / copy_bw
     o64, s64 = oracle(case, xs, state)
     rows, ref_out = [], None
-    for label, fn in impls(case, shape["K"], block_vs, interpret, variants):
+    for label, fn in impls(case, shape["K"], block_vs, interpret, variants, xla):
         row = {"case": case.name, "T": case.T, "impl": label, "bytes": nbytes, "floor_us": floor_s * 1e6}
         try:
             f = jax.jit(fn)
@@ -354,7 +357,7 @@ def run_case(case: Case, shape: dict, block_vs, interpret, iters: int, copy_bw: 
             net = kernel_table.time_layer(as_layer_call(fn), [(*d[0], d[1]) for d in net_draws], iters,
                                           carry_last=True, profile_dir=Path(profile) / tag if profile else None)
         except Exception as e:      # a kernel variant that fails to compile / run: record it, go on
-            if ref_out is None:     # the XLA reference must work
+            if ref_out is None:     # the reference row (XLA, or the first kernel row) must work
                 raise
             rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:500]}"})
             continue
@@ -407,7 +410,7 @@ def print_table(rows, copy_bw):
               f"{_fmt(r['rmse_o_f64'], '9.1e')} {_fmt(r['rmse_s_f64'], '9.1e')}"
               + (f" {_fmt(r.get('us_states'), '9.2f')}" if has_states else ""))
     print("%floor: of the loop time; us/states: the loop over --states distinct states; us/net: in-loop minus "
-          "the loop's own cost (module docstring); max|d.|, rel.: vs the XLA row of the case; rmse .64: relative "
+          "the loop's own cost (module docstring); max|d.|, rel.: vs the first (XLA) row of the case; rmse .64: relative "
           "RMSE vs the float64 reference (a verify writes no state)\n")
 
 
@@ -447,7 +450,8 @@ def main(argv=None) -> dict:
     rows = []
     for case in [names[x] for x in picked] or CASES:
         print(f"{case.name} T={case.T} ...", file=sys.stderr, flush=True)
-        rows.extend(run_case(case, shape, block_vs, interpret, a.iters, copy_bw, a.profile, a.states, variants))
+        rows.extend(run_case(case, shape, block_vs, interpret, a.iters, copy_bw, a.profile, a.states, variants,
+                              xla=not a.no_xla))
     print_table(rows, copy_bw)
     rec = {"bench": "kernels", "shape": {**shape, "V": shape["K"]}, "interpret": a.interpret,
            "input_dtypes": {"proj,window,conv_w": "bfloat16", "A_log,dt_bias,beta,state": "float32"},

@@ -44,7 +44,8 @@ Design
   below, exp(0) = 1 and u = 0 so S + k*0 = S for any finite S, so a replay of a block with n
   accepted tokens leaves the state bit for bit as after those n), beta folded into k and v
   (u = beta v - S^T (beta k)).
-  q (scaled), k, beta k, g go to SMEM as [T, K] float32 rows, beta v as [T, bv]. A loop, not an
+  q (scaled), k, beta k and the decay exp(g) (computed here, off the recurrence's serial chain,
+  session 35) go to SMEM as [T, K] float32 rows, beta v as [T, bv]. A loop, not an
   unrolled sequence: the unrolled form was 1.5 MB of MLIR at T = 9 (vs 0.28 MB) and, in its first
   version on the H200 (session 11), took 25 us per verify call in the model.
 * Recurrence: a loop over tokens with the [K, bv] state tile in registers in the WGMMA fragment
@@ -54,6 +55,16 @@ Design
   ``WGMMA.reduce(0)`` ("column") vector, the rank-1 update ``k[:, None] * u[None, :]``. o rows go to
   SMEM, then one TMA store each for o and the state (read once, written once per block). A verify
   skips the state store (write_state=False: its final state is never used), a commit the o store.
+* Warp specialisation (``PREP_WARPGROUPS`` = 1 or 2, session 35; 2 by default, 0 = one warpgroup):
+  the program gets 1 + PREP_WARPGROUPS warpgroups. Warpgroup 0 runs the recurrence; the others run
+  the preparation (token t on warpgroup 1 + t % PREP_WARPGROUPS; the first also issues the TMA
+  loads and writes the window) and arrive on an SMEM barrier per token after storing its rows
+  (every thread arrives: each releases its own stores), which the recurrence waits on before
+  reading them. The two loops overlap instead of running one after the other. Mosaic puts every
+  cross-warp reduction's SMEM scratch at the same offset, so each preparation warpgroup's code is
+  lowered inside scoped pads that move its scratch elsewhere (without them the GPU output had NaNs
+  where interpret mode, which has no such scratch, passed: run 131). Interpret mode on
+  CPU needs a thread per warpgroup in XLA's CPU pool (tests/conftest.py sets NPROC).
 
 * ``write_window`` (session 21): the new conv window, rows n .. n+W-1 of window ++ proj, comes
   out of the kernel (it has those rows in SMEM already) instead of an XLA slice kernel after it:
@@ -74,11 +85,14 @@ the gated output RMSNorm (it needs the whole head's V columns, which four progra
 
 Status (H200, jax 0.11.2, sessions 11 and 19; docs/PERFORMANCE.md): GPU tests pass (relative RMSE vs
 float64 <= 1e-5; ptxas 109-116 registers, no spills); in the full-depth fp8 model a decode call
-takes 5.1 us, a verify call (T = 9) 15.5 us, a commit 8.4 us. On CPU (CI): interpret mode with
+takes 5.1 us, a verify call (T = 9) 15.5 us, a commit 8.4 us. Session 35 (H100, warp specialised,
+EXP2): a verify call 13.99 us in bench.kernels (15.64 us with one warpgroup), 31 GPU tests pass. On CPU (CI): interpret mode with
 race detection against the reference, and cross-lowering for CUDA at the Ling shape.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -108,9 +122,23 @@ OWN_BARRIERS = False
 # instructions per thread for a verify at T = 9 (10,400 -> 8,500; 708 -> 536 per token in the
 # preparation loop, 406 -> 372 in the recurrence). On an H100 (session 34): verify T = 9 16.91 ->
 # 15.93 us per call (`net`), a commit of 5 of 9 tokens unchanged (11.65 vs 11.68), relative RMSE
-# vs float64 1.2e-7 -> 1.3e-7; off until the DSpark step is measured with it. Read at trace time.
-EXP2 = False
+# vs float64 1.2e-7 -> 1.3e-7. On by default since session 35: with PREP_WARPGROUPS = 2, the
+# 12-layer DSpark step on an H100 4.485 -> 4.472 ms (run 133). Read at trace time.
+EXP2 = True
 LOG2_E = 1.4426950408889634
+# Mosaic GPU's SMEM scratch for one cross-warp reduction (plgpu.CompilerParams.reduction_scratch_bytes,
+# left at its default below).
+REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
+# Warp specialisation (session 35): 0 = one warpgroup per program runs the preparation loop, then
+# the recurrence loop; 1 or 2 = that many extra warpgroups (256 / 384 threads per program) run the
+# preparation, token t on warpgroup 1 + t % PREP_WARPGROUPS, and announce each token's rows through
+# an SMEM barrier (one per token), while warpgroup 0 runs the recurrence as the rows arrive: the two
+# serial chains overlap instead of adding up. The same arithmetic (the same values bit for bit; GPU
+# tests, run 132). On an H100 (session 35, runs 132-134, with the decay exp(g) moved into the
+# preparation): verify T = 9 15.64 (0) -> 14.44 (1) -> 13.99 us (2) per call (`net`), a commit of 5
+# of 9 in place 11.78 -> 11.44 us; the 12-layer DSpark step 4.497 / 4.501 / 4.503 ms (0, EXP2 off)
+# -> 4.475 / 4.472 / 4.471 ms (2, EXP2 on). Read at trace time.
+PREP_WARPGROUPS = 2
 
 
 def pick_block_v(V: int, block_v: int | None) -> int:
@@ -201,13 +229,19 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
     row = plgpu.Layout.WGMMA.reduce(1)              # [K] vectors, broadcast along columns
     col = plgpu.Layout.WGMMA.reduce(0)              # [bv] vectors, broadcast along rows
 
+    n_prep = PREP_WARPGROUPS
+    if n_prep not in (0, 1, 2):
+        raise ValueError(f"kda_step_fused.PREP_WARPGROUPS={n_prep} must be 0, 1 or 2")
+
     def body(*refs):
         pdl_wait(interpret)
         proj_g, projv_g, win_g, winv_g, cw_g, cwv_g, alog_g, dtb_g, beta_g, n_g, s_g = refs[:11]
         n_out = write_o + state_out + write_window
         outs = refs[11:11 + n_out]
         (qk_s, f_s, v_s, cw_s, cwv_s, dtb_s, beta_s, st_s,
-         q_s, k_s, kb_s, g_s, vb_s, o_s, bars, *win_s) = refs[11 + n_out:]
+         q_s, k_s, kb_s, e_s, vb_s, o_s, bars, *rest) = refs[11 + n_out:]
+        ready = rest.pop(0) if n_prep else None     # [MAX_T] barriers: token t's rows are in SMEM
+        win_s = rest
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         j = lax.axis_index("v")
@@ -224,23 +258,26 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             (beta_g.at[b], beta_s),
             (s_g.at[b, h, :, cols], st_s),            # awaited last (after the preparation)
         )
-        for i, (src, dst) in enumerate(srcs):
-            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
-        a = jnp.exp(alog_g[h])
         n_valid = n_g[0]
         # a commit (no o rows to write) stops after its n tokens: the rest are identity updates
         steps = T if (write_o or n is None) else n_valid
-        for i in range(len(srcs) - 1):
-            plgpu.barrier_wait(bars.at[i])
 
-        # ---- preparation, one token per loop step: conv + silu, norms, gate, mask, beta
+        def issue_copies():
+            for i, (src, dst) in enumerate(srcs):
+                plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+
+        def wait_inputs():
+            for i in range(len(srcs) - 1):
+                plgpu.barrier_wait(bars.at[i])
+
+        # ---- preparation of token t: conv + silu, norms, gate, mask, beta -> its SMEM rows
         def conv(row_of, w_of):
             acc = row_of(0) * w_of(0)
             for i in range(1, ks):
                 acc = acc + row_of(i) * w_of(i)
             return acc * _sigmoid(acc)                # silu, in float32
 
-        def prep(t, carry):
+        def prep(t, a):
             keep = t < n_valid
             qk = [conv(lambda i: plgpu.load(qk_s.at[t + i, c], layout=row).astype(f32),
                        lambda i: plgpu.load(cw_s.at[i, c], layout=row).astype(f32)) for c in range(2)]
@@ -258,12 +295,10 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             q_s[t] = q
             k_s[t] = k
             kb_s[t] = k * bt
-            g_s[t] = g * jnp.where(keep, 1.0, 0.0)
+            e_s[t] = _exp(g * jnp.where(keep, 1.0, 0.0))   # the decay exp(g); 1 where masked
             vb_s[t] = v * bt
-            return carry
 
-        lax.fori_loop(0, steps, prep, jnp.int32(0))
-        if write_window:         # rows n .. n+W-1 of window ++ proj, staged for the TMA stores below
+        def stage_window():      # rows n .. n+W-1 of window ++ proj, staged for the TMA stores below
             wqk_s, wv_s = win_s
             for r in range(W):
                 wv_s[r] = plgpu.load(v_s.at[n_valid + r, j], layout=col)
@@ -273,36 +308,103 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
                 for r in range(W):
                     for c in range(2):
                         wqk_s[r, c] = plgpu.load(qk_s.at[n_valid + r, c], layout=row)
-        plgpu.commit_smem()                           # the rows above are read in other layouts below
-        plgpu.barrier_wait(bars.at[len(srcs) - 1])
 
-        # ---- recurrence (state tile [K, bv] in registers)
-        S = plgpu.load(st_s, layout=plgpu.Layout.WGMMA)
-
-        def step(t, S):
-            S = S * _exp(plgpu.load(g_s.at[t], layout=row))[:, None]
-            u = plgpu.load(vb_s.at[t], layout=col) - jnp.sum(S * plgpu.load(kb_s.at[t], layout=row)[:, None], axis=0)
-            S = S + plgpu.load(k_s.at[t], layout=row)[:, None] * u[None, :]
-            if write_o:
-                o_s[t] = jnp.sum(S * plgpu.load(q_s.at[t], layout=row)[:, None], axis=0)
-            return S
-
-        S = lax.fori_loop(0, steps, step, S)
-        if write_state:
-            st_s[...] = S
-        plgpu.commit_smem()
-        if write_o:
-            plgpu.copy_smem_to_gmem(o_s, outs[0].at[b, :, h, cols])
-        if write_state:      # in place: over the tile this program read at its start (s_g)
-            plgpu.copy_smem_to_gmem(st_s, (s_g if state_in_place else outs[write_o]).at[b, h, :, cols])
-        if write_window:
+        def store_window():      # after commit_smem
+            wqk_s, wv_s = win_s
             win_g = outs[-1]
             plgpu.copy_smem_to_gmem(wv_s, win_g.at[b, :, 2, h, cols])
 
             @pl.when(j == 0)
             def _():
                 plgpu.copy_smem_to_gmem(wqk_s, win_g.at[b, :, pl.ds(0, 2), h, :])
-        plgpu.wait_smem_to_gmem(0)
+
+        # ---- recurrence (state tile [K, bv] in registers); wait_token(t) before token t's rows
+        def recurrence(wait_token):
+            S = plgpu.load(st_s, layout=plgpu.Layout.WGMMA)
+
+            def step(t, S):
+                wait_token(t)
+                S = S * plgpu.load(e_s.at[t], layout=row)[:, None]
+                u = plgpu.load(vb_s.at[t], layout=col) - jnp.sum(S * plgpu.load(kb_s.at[t], layout=row)[:, None], axis=0)
+                S = S + plgpu.load(k_s.at[t], layout=row)[:, None] * u[None, :]
+                if write_o:
+                    o_s[t] = jnp.sum(S * plgpu.load(q_s.at[t], layout=row)[:, None], axis=0)
+                return S
+
+            S = lax.fori_loop(0, steps, step, S)
+            if write_state:
+                st_s[...] = S
+
+        def store_outputs():     # after commit_smem
+            if write_o:
+                plgpu.copy_smem_to_gmem(o_s, outs[0].at[b, :, h, cols])
+            if write_state:      # in place: over the tile this program read at its start (s_g)
+                plgpu.copy_smem_to_gmem(st_s, (s_g if state_in_place else outs[write_o]).at[b, h, :, cols])
+
+        if not n_prep:           # one warpgroup: the preparation loop, then the recurrence loop
+            issue_copies()
+            wait_inputs()
+
+            def prep_step(t, a):
+                prep(t, a)
+                return a
+
+            lax.fori_loop(0, steps, prep_step, jnp.exp(alog_g[h]))
+            if write_window:
+                stage_window()
+            plgpu.commit_smem()                       # the rows above are read in other layouts below
+            plgpu.barrier_wait(bars.at[len(srcs) - 1])
+            recurrence(lambda t: None)
+            plgpu.commit_smem()
+            store_outputs()
+            if write_window:
+                store_window()
+            plgpu.wait_smem_to_gmem(0)
+            return
+
+        wg = lax.axis_index("wg")
+
+        def preparation(p):                           # warpgroup p + 1: tokens p, p + n_prep, ..
+            @pl.when(wg == p + 1)
+            def _():
+                if p == 0:
+                    issue_copies()
+                wait_inputs()
+
+                def prep_step(i, a):
+                    t = p + i * n_prep
+                    prep(t, a)
+                    plgpu.barrier_arrive(ready.at[t])  # each thread releases its own row stores
+                    return a
+
+                lax.fori_loop(0, (steps - p + n_prep - 1) // n_prep, prep_step, jnp.exp(alog_g[h]))
+                if write_window and p == 0:
+                    stage_window()
+                    plgpu.commit_smem()
+                    store_window()
+                    plgpu.wait_smem_to_gmem(0)
+
+        # A cross-warp reduction (the L2 norms, S^T x) goes through SMEM scratch at the first byte
+        # past the allocations in scope where it is lowered, the same bytes for every warpgroup: each
+        # preparation warpgroup's code is lowered inside scoped pads of REDUCTION_SCRATCH_BYTES (one
+        # more per warpgroup), so the warpgroups' reductions use disjoint scratch. The pads are all
+        # entered (a block-wide barrier each) before any warpgroup starts its loop.
+        pad = plgpu.SMEM((REDUCTION_SCRATCH_BYTES // 4,), f32)
+
+        def with_pads(p, _pad=None):
+            if p + 1 < n_prep:
+                pl.run_scoped(functools.partial(with_pads, p + 1), pad, collective_axes="wg")
+            preparation(p)
+
+        pl.run_scoped(functools.partial(with_pads, 0), pad, collective_axes="wg")
+
+        @pl.when(wg == 0)                             # the recurrence, token by token as rows arrive
+        def _():
+            plgpu.barrier_wait(bars.at[len(srcs) - 1])
+            recurrence(lambda t: plgpu.barrier_wait(ready.at[t]))
+            plgpu.commit_smem()
+            store_outputs()
+            plgpu.wait_smem_to_gmem(0)
 
     out_type = ((jax.ShapeDtypeStruct((B, T, H, V), f32),) * write_o
                 + (jax.ShapeDtypeStruct((B, H, K, V), f32),) * state_out
@@ -322,16 +424,18 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             plgpu.SMEM((T, K), f32),            # scale * normalised q
             plgpu.SMEM((T, K), f32),            # normalised k
             plgpu.SMEM((T, K), f32),            # beta k
-            plgpu.SMEM((T, K), f32),            # g (masked)
+            plgpu.SMEM((T, K), f32),            # exp(g) (1 where masked)
             plgpu.SMEM((T, bv), f32),           # beta v
             plgpu.SMEM((T, bv), f32),           # o
             plgpu.Barrier(num_barriers=10),
+            *((plgpu.Barrier(num_barriers=T),) if n_prep else ()),   # token t prepared
             *((plgpu.SMEM((W, 2, K), dt),        # the new window's q, k rows (first column block)
                plgpu.SMEM((W, bv), dt)) if write_window else ()),   # its v columns of this block
         ),
         grid=(B, H, V // bv),
         grid_names=("b", "h", "v"),
         kernel_name="kda_fused_step",       # the kernel's name in profiles
+        **(dict(num_threads=1 + n_prep, thread_name="wg") if n_prep else {}),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True) if OWN_BARRIERS else None,
         interpret=interpret if interpret else None,
     )

@@ -5,6 +5,11 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's CPU thread pool: at least 8 threads (XLA reads NPROC; default one per core). Mosaic GPU
+# interpret mode runs each warpgroup of a kernel that has several (kda_step_fused.PREP_WARPGROUPS)
+# as a computation of its own that blocks in barrier-wait callbacks; on a 2-core host the third
+# warpgroup never got a thread and the test hung (session 35).
+os.environ.setdefault("NPROC", str(max(8, os.cpu_count() or 1)))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

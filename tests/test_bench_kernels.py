@@ -116,6 +116,18 @@ def test_variant_settings_hold_while_traced_then_restore():
     labels = [label for label, _ in kernels.impls(kernels.CASES[1], 64, [None], False,
                                                    kernels.parse_variants("EXP2=False;EXP2=True"))]
     assert labels == ["xla kda_chunked", "pallas bv=32 EXP2=False", "pallas bv=32 EXP2=True"]
+    labels = [label for label, _ in kernels.impls(kernels.CASES[1], 64, [None], False, [{}], xla=False)]
+    assert labels == ["pallas bv=32"]
+
+
+def test_kernels_no_xla_compares_with_the_first_kernel_row(tmp_path, capsys):
+    """--no-xla: kernel rows only; the first is the base of the others' max|d.| (here the same
+    kernel with another block_v: equal up to summation order)."""
+    rec = kernels.main(BASE + ["--no-xla", "--cases", "verify9", "--block-v", "16,32", "--out", str(tmp_path)])
+    rows = rec["rows"]
+    assert [r["impl"] for r in rows] == ["pallas bv=16", "pallas bv=32"]
+    assert rows[0]["max_abs_o"] is None and rows[1]["max_rel_o"] <= 1e-5
+    assert all(r["rmse_o_f64"] <= 1e-5 for r in rows)
 
 
 def test_kernels_bad_variant_flag(capsys):

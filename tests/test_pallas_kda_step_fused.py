@@ -147,7 +147,7 @@ def test_interpret_exp2_matches_reference(T, n, safe_gate, monkeypatch):
 
 
 def test_exp2_build_cross_lowers(monkeypatch):
-    """EXP2 = True lowers for CUDA at the Ling shape, to a different module than the default."""
+    """EXP2 = True (the default) lowers for CUDA at the Ling shape, to a different module than False."""
     from pallas_kernels import kda_step_fused
     args = _inputs(1, 9, 32, 128, dtype=BF16)
     texts = []
@@ -156,6 +156,61 @@ def test_exp2_build_cross_lowers(monkeypatch):
         fn = jax.jit(lambda *a: kda_fused_step_pallas(*a, write_state=False))     # traced anew
         texts.append(fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
     assert all("mosaic_gpu" in t for t in texts) and texts[0] != texts[1]
+
+
+# (T, n, write_o, write_state, write_window, block_v, dtype): a verify, a decode, commits (dynamic n)
+WS_CASES = [
+    (9, None, True, False, False, None, BF16),
+    (1, None, True, True, True, None, F32),
+    (5, 3, False, True, True, 16, BF16),
+    (5, 0, False, True, False, None, BF16),
+    (16, 16, True, True, True, 32, BF16),
+]
+
+
+@pytest.mark.parametrize("n_prep", [1, 2])
+@pytest.mark.parametrize("T,n,write_o,write_state,write_window,block_v,dtype", WS_CASES)
+@interpret_only
+def test_interpret_warp_specialised_is_the_same_kernel(T, n, write_o, write_state, write_window, block_v, dtype,
+                                                       n_prep, monkeypatch):
+    """PREP_WARPGROUPS = 1 / 2 (the preparation on other warpgroups than the recurrence, one SMEM
+    barrier per token): the same outputs bit for bit as the single warpgroup, and no race flagged
+    (the race detector checks that every row the recurrence reads was released by its barrier)."""
+    from pallas_kernels import kda_step_fused
+    args, logits = _logit_inputs(T, seed=60 + T + n_prep, dtype=dtype)
+    args[5] = logits
+    kw = dict(write_o=write_o, write_state=write_state, write_window=write_window, block_v=block_v,
+              beta_logits=True, state_in_place=write_state and not write_o)
+    monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", 0)
+    want = _run(tuple(args), n, **kw)
+    monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", n_prep)
+    got = _run(tuple(args), n, **kw)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.parametrize("T,write_o", [(9, True), (9, False), (1, True)])
+def test_warp_specialised_build_cross_lowers(T, write_o, monkeypatch):
+    """PREP_WARPGROUPS = 2 lowers for CUDA at the Ling shape as the model calls it (a verify, a
+    commit with the state in place and the window, a decode), with 3 warpgroups per program."""
+    from pallas_kernels import kda_step_fused
+    monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", 2)
+    args = _inputs(1, T, 32, 128, dtype=BF16)
+    fn = jax.jit(lambda *a: kda_fused_step_pallas(*a, jnp.int32(max(T // 2, 1)), write_o=write_o,
+                                                  write_state=not write_o or T == 1, state_in_place=not write_o,
+                                                  write_window=not write_o, beta_logits=True))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_warp_specialised_rejects_other_counts(monkeypatch):
+    from pallas_kernels import kda_step_fused
+    monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", 3)
+    with pytest.raises(ValueError, match="PREP_WARPGROUPS=3 must be 0, 1 or 2"):
+        kda_fused_step_pallas(*_inputs(1, 2, 1, 64), interpret=INTERPRET)
 
 
 @interpret_only
@@ -361,3 +416,24 @@ def test_gpu_window_output(T, n, write_o):
     np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
     if write_o:
         np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+
+
+@gpu_only
+@pytest.mark.parametrize("n_prep", [1, 2])
+@pytest.mark.parametrize("T,n,write_o", [(1, None, True), (9, None, True), (9, 5, False), (9, 0, False)])
+def test_gpu_warp_specialised_is_the_same_kernel(T, n, write_o, n_prep, monkeypatch):
+    """PREP_WARPGROUPS = 1 / 2 compiled at the Ling shape as the model calls it (decode, verify, a
+    commit with the state in place and the window): the same outputs bit for bit as one warpgroup."""
+    from pallas_kernels import kda_step_fused
+    args, logits = _logit_inputs(T, seed=70 + T, H=32, K=128)
+    args[5] = logits
+    kw = dict(write_o=write_o, write_state=not write_o or T == 1, state_in_place=not write_o,
+              write_window=not write_o, beta_logits=True)
+    monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", 0)
+    want = _run(tuple(args), n, interpret=False, **kw)
+    monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", n_prep)
+    got = _run(tuple(args), n, interpret=False, **kw)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
