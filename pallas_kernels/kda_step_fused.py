@@ -126,8 +126,9 @@ OWN_BARRIERS = False
 # 12-layer DSpark step on an H100 4.485 -> 4.472 ms (run 133). Read at trace time.
 EXP2 = True
 LOG2_E = 1.4426950408889634
-# Mosaic GPU's SMEM scratch for one cross-warp reduction (plgpu.CompilerParams.reduction_scratch_bytes,
-# left at its default below).
+# Mosaic GPU's SMEM scratch for one cross-warp reduction (plgpu.CompilerParams.reduction_scratch_bytes;
+# 2048 is Mosaic's default). A reduction whose partial values do not fit takes several rounds,
+# each a store, two barriers and loads. Read at trace time.
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
 # Warp specialisation (session 35): 0 = one warpgroup per program runs the preparation loop, then
 # the recurrence loop; 1 or 2 = that many extra warpgroups (256 / 384 threads per program) run the
@@ -436,7 +437,8 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         grid_names=("b", "h", "v"),
         kernel_name="kda_fused_step",       # the kernel's name in profiles
         **(dict(num_threads=1 + n_prep, thread_name="wg") if n_prep else {}),
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True) if OWN_BARRIERS else None,
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=OWN_BARRIERS,
+                                             reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
         interpret=interpret if interpret else None,
     )
     state_arg = jax.new_ref(state) if state_in_place else state

@@ -192,6 +192,27 @@ def test_interpret_warp_specialised_is_the_same_kernel(T, n, write_o, write_stat
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
+@pytest.mark.parametrize("T,n,write_o", [(9, None, True), (5, 3, False), (5, 0, False)])
+@interpret_only
+def test_interpret_own_barriers_warp_specialised(T, n, write_o, monkeypatch):
+    """OWN_BARRIERS = True (no automatic SMEM barriers) with the warp-specialised build and a
+    larger reduction scratch: the race detector finds no unordered SMEM access (the hand audit in
+    the OWN_BARRIERS comment), and the outputs are those of the default build bit for bit."""
+    from pallas_kernels import kda_step_fused
+    args, logits = _logit_inputs(T, seed=90 + T)
+    args[5] = logits
+    kw = dict(write_o=write_o, write_state=not write_o, state_in_place=not write_o, write_window=not write_o,
+              beta_logits=True)
+    want = _run(tuple(args), n, **kw)
+    monkeypatch.setattr(kda_step_fused, "OWN_BARRIERS", True)
+    monkeypatch.setattr(kda_step_fused, "REDUCTION_SCRATCH_BYTES", 4096)
+    got = _run(tuple(args), n, **kw)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
 @pytest.mark.parametrize("T,write_o", [(9, True), (9, False), (1, True)])
 def test_warp_specialised_build_cross_lowers(T, write_o, monkeypatch):
     """PREP_WARPGROUPS = 2 lowers for CUDA at the Ling shape as the model calls it (a verify, a
@@ -204,6 +225,20 @@ def test_warp_specialised_build_cross_lowers(T, write_o, monkeypatch):
                                                   write_window=not write_o, beta_logits=True))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_reduction_scratch_setting_cross_lowers(monkeypatch):
+    """REDUCTION_SCRATCH_BYTES = 4096 (one round per cross-warp reduction of the [128, 32] tile
+    instead of two: 12 -> 8 barriers per token in the recurrence's PTX, session 35) lowers for
+    CUDA with the warp-specialised build, to a different module than the default 2048."""
+    from pallas_kernels import kda_step_fused
+    args = _inputs(1, 9, 32, 128, dtype=BF16)
+    texts = []
+    for nbytes in (4096, 2048):
+        monkeypatch.setattr(kda_step_fused, "REDUCTION_SCRATCH_BYTES", nbytes)
+        fn = jax.jit(lambda *a: kda_fused_step_pallas(*a, write_state=False))     # traced anew
+        texts.append(fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+    assert all("mosaic_gpu" in t for t in texts) and texts[0] != texts[1]
 
 
 def test_warp_specialised_rejects_other_counts(monkeypatch):
@@ -432,6 +467,30 @@ def test_gpu_warp_specialised_is_the_same_kernel(T, n, write_o, n_prep, monkeypa
     monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", 0)
     want = _run(tuple(args), n, interpret=False, **kw)
     monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", n_prep)
+    got = _run(tuple(args), n, interpret=False, **kw)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@gpu_only
+@pytest.mark.parametrize("settings", [{"REDUCTION_SCRATCH_BYTES": 4096},
+                                      {"REDUCTION_SCRATCH_BYTES": 4096, "OWN_BARRIERS": True}],
+                         ids=["scratch4096", "scratch4096-own-barriers"])
+@pytest.mark.parametrize("T,n,write_o", [(1, None, True), (9, None, True), (9, 5, False), (9, 0, False)])
+def test_gpu_reduction_settings_are_the_same_kernel(T, n, write_o, settings, monkeypatch):
+    """The larger reduction scratch (one round per cross-warp reduction) and OWN_BARRIERS with the
+    warp-specialised default, compiled at the Ling shape as the model calls the kernel: the same
+    outputs bit for bit as the default settings."""
+    from pallas_kernels import kda_step_fused
+    args, logits = _logit_inputs(T, seed=80 + T, H=32, K=128)
+    args[5] = logits
+    kw = dict(write_o=write_o, write_state=not write_o or T == 1, state_in_place=not write_o,
+              write_window=not write_o, beta_logits=True)
+    want = _run(tuple(args), n, interpret=False, **kw)
+    for name, value in settings.items():
+        monkeypatch.setattr(kda_step_fused, name, value)
     got = _run(tuple(args), n, interpret=False, **kw)
     for g, w in zip(got, want):
         assert (g is None) == (w is None)
