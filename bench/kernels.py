@@ -410,8 +410,8 @@ def print_table(rows, copy_bw):
               f"{_fmt(r['rmse_o_f64'], '9.1e')} {_fmt(r['rmse_s_f64'], '9.1e')}"
               + (f" {_fmt(r.get('us_states'), '9.2f')}" if has_states else ""))
     print("%floor: of the loop time; us/states: the loop over --states distinct states; us/net: in-loop minus "
-          "the loop's own cost (module docstring); max|d.|, rel.: vs the first (XLA) row of the case; rmse .64: relative "
-          "RMSE vs the float64 reference (a verify writes no state)\n")
+          "the loop's own cost (module docstring); max|d.|, rel.: vs the first (XLA) row of the case; "
+          "rmse .64: relative RMSE vs the float64 reference (a verify writes no state)\n")
 
 
 def main(argv=None) -> dict:

@@ -85,9 +85,10 @@ the gated output RMSNorm (it needs the whole head's V columns, which four progra
 
 Status (H200, jax 0.11.2, sessions 11 and 19; docs/PERFORMANCE.md): GPU tests pass (relative RMSE vs
 float64 <= 1e-5; ptxas 109-116 registers, no spills); in the full-depth fp8 model a decode call
-takes 5.1 us, a verify call (T = 9) 15.5 us, a commit 8.4 us. Session 35 (H100, warp specialised,
-EXP2): a verify call 13.99 us in bench.kernels (15.64 us with one warpgroup), 31 GPU tests pass. On CPU (CI): interpret mode with
-race detection against the reference, and cross-lowering for CUDA at the Ling shape.
+takes 5.1 us, a verify call (T = 9) 15.5 us, a commit 8.4 us. Session 35 (an H100, EXP2 off): a
+verify call 13.99 us in bench.kernels warp-specialised, 15.64 us with one warpgroup; with the
+current defaults 31 GPU tests pass. On CPU (CI): interpret mode with race detection against the
+reference, and cross-lowering for CUDA at the Ling shape.
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         outs = refs[11:11 + n_out]
         (qk_s, f_s, v_s, cw_s, cwv_s, dtb_s, beta_s, st_s,
          q_s, k_s, kb_s, e_s, vb_s, o_s, bars, *rest) = refs[11 + n_out:]
-        ready = rest.pop(0) if n_prep else None     # [MAX_T] barriers: token t's rows are in SMEM
+        ready = rest.pop(0) if n_prep else None     # [T] barriers: token t's rows are in SMEM
         win_s = rest
         b = lax.axis_index("b")
         h = lax.axis_index("h")
@@ -326,7 +327,8 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             def step(t, S):
                 wait_token(t)
                 S = S * plgpu.load(e_s.at[t], layout=row)[:, None]
-                u = plgpu.load(vb_s.at[t], layout=col) - jnp.sum(S * plgpu.load(kb_s.at[t], layout=row)[:, None], axis=0)
+                vb = plgpu.load(vb_s.at[t], layout=col)
+                u = vb - jnp.sum(S * plgpu.load(kb_s.at[t], layout=row)[:, None], axis=0)
                 S = S + plgpu.load(k_s.at[t], layout=row)[:, None] * u[None, :]
                 if write_o:
                     o_s[t] = jnp.sum(S * plgpu.load(q_s.at[t], layout=row)[:, None], axis=0)
