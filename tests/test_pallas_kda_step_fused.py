@@ -458,7 +458,9 @@ def test_gpu_window_output(T, n, write_o):
 @pytest.mark.parametrize("T,n,write_o", [(1, None, True), (9, None, True), (9, 5, False), (9, 0, False)])
 def test_gpu_warp_specialised_is_the_same_kernel(T, n, write_o, n_prep, monkeypatch):
     """PREP_WARPGROUPS = 1 / 2 compiled at the Ling shape as the model calls it (decode, verify, a
-    commit with the state in place and the window): the same outputs bit for bit as one warpgroup."""
+    commit with the state in place and the window): the same outputs bit for bit as one warpgroup.
+    Only this test saw run 131's bug (the warpgroups shared Mosaic's reduction scratch): interpret
+    mode has no such scratch."""
     from pallas_kernels import kda_step_fused
     args, logits = _logit_inputs(T, seed=70 + T, H=32, K=128)
     args[5] = logits
