@@ -129,7 +129,7 @@ EXP2 = True
 LOG2_E = 1.4426950408889634
 # Mosaic GPU's SMEM scratch for one cross-warp reduction (plgpu.CompilerParams.reduction_scratch_bytes;
 # 2048 is Mosaic's default). A reduction whose partial values do not fit takes several rounds,
-# each a store, two barriers and loads. Read at trace time.
+# each a store, two barriers and loads. A positive multiple of 1024. Read at trace time.
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
 # Warp specialisation (session 35): 0 = one warpgroup per program runs the preparation loop, then
 # the recurrence loop; 1 or 2 = that many extra warpgroups (256 / 384 threads per program) run the
@@ -234,6 +234,9 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
     n_prep = PREP_WARPGROUPS
     if n_prep not in (0, 1, 2):
         raise ValueError(f"kda_step_fused.PREP_WARPGROUPS={n_prep} must be 0, 1 or 2")
+    if REDUCTION_SCRATCH_BYTES <= 0 or REDUCTION_SCRATCH_BYTES % 1024:
+        raise ValueError(f"kda_step_fused.REDUCTION_SCRATCH_BYTES={REDUCTION_SCRATCH_BYTES} must be a positive "
+                         "multiple of 1024 (Mosaic's SMEM alignment: the warpgroups' scratch pads are that size)")
 
     def body(*refs):
         pdl_wait(interpret)

@@ -246,6 +246,10 @@ def test_warp_specialised_rejects_other_counts(monkeypatch):
     monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", 3)
     with pytest.raises(ValueError, match="PREP_WARPGROUPS=3 must be 0, 1 or 2"):
         kda_fused_step_pallas(*_inputs(1, 2, 1, 64), interpret=INTERPRET)
+    monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", 2)
+    monkeypatch.setattr(kda_step_fused, "REDUCTION_SCRATCH_BYTES", 3000)
+    with pytest.raises(ValueError, match="REDUCTION_SCRATCH_BYTES=3000 must be a positive multiple of 1024"):
+        kda_fused_step_pallas(*_inputs(1, 2, 1, 64), interpret=INTERPRET)
 
 
 @interpret_only
