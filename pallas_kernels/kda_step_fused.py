@@ -141,14 +141,6 @@ REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
 # of 9 in place 11.78 -> 11.44 us; the 12-layer DSpark step 4.497 / 4.501 / 4.503 ms (0, EXP2 off)
 # -> 4.475 / 4.472 / 4.471 ms (2, EXP2 on). Read at trace time.
 PREP_WARPGROUPS = 2
-# One cross-warp reduction per token instead of two (session 36): with o = S'^T q + u (k . q), where
-# S' = diag(exp g) S is the decayed state before the update (S_new = S' + k u^T, so S_new^T q =
-# S'^T q + u (k^T q)), both column sums S'^T (beta k) and S'^T q are taken of S' and go through one
-# reduction of the [K, 2 bv] tile [S' * beta k | S' * q]; k . q comes from the preparation (a
-# scalar per token). Mathematically the same o; the rounding differs (another summation order).
-# A verify only (a commit writes no o and has one reduction). Pays only with
-# REDUCTION_SCRATCH_BYTES >= 8192 (the [K, 64] tile's partials in one round). Read at trace time.
-MERGED_REDUCTION = False
 
 
 def pick_block_v(V: int, block_v: int | None) -> int:
@@ -246,8 +238,6 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         raise ValueError(f"kda_step_fused.REDUCTION_SCRATCH_BYTES={REDUCTION_SCRATCH_BYTES} must be a positive "
                          "multiple of 1024 (Mosaic's SMEM alignment: the warpgroups' scratch pads are that size)")
 
-    merged = MERGED_REDUCTION and write_o           # a commit has one reduction per token
-
     def body(*refs):
         pdl_wait(interpret)
         proj_g, projv_g, win_g, winv_g, cw_g, cwv_g, alog_g, dtb_g, beta_g, n_g, s_g = refs[:11]
@@ -256,7 +246,6 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
         (qk_s, f_s, v_s, cw_s, cwv_s, dtb_s, beta_s, st_s,
          q_s, k_s, kb_s, e_s, vb_s, o_s, bars, *rest) = refs[11 + n_out:]
         ready = rest.pop(0) if n_prep else None     # [T] barriers: token t's rows are in SMEM
-        kq_s = rest.pop(0) if merged else None      # [T] k . (scale q)
         win_s = rest
         b = lax.axis_index("b")
         h = lax.axis_index("h")
@@ -310,8 +299,6 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             bt = jnp.where(keep, _sigmoid(b_t) if beta_logits else b_t, 0.0)
             q_s[t] = q
             k_s[t] = k
-            if merged:
-                kq_s[t] = jnp.sum(k * q)              # k . (scale q), for o = S'^T q + u (k . q)
             kb_s[t] = k * bt
             e_s[t] = _exp(g * jnp.where(keep, 1.0, 0.0))   # the decay exp(g); 1 where masked
             vb_s[t] = v * bt
@@ -344,14 +331,7 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
                 wait_token(t)
                 S = S * plgpu.load(e_s.at[t], layout=row)[:, None]
                 vb = plgpu.load(vb_s.at[t], layout=col)
-                kb_S = S * plgpu.load(kb_s.at[t], layout=row)[:, None]
-                if merged:        # [S' beta k | S' q] summed over K in one cross-warp reduction
-                    sums = jnp.sum(jnp.concatenate([kb_S, S * plgpu.load(q_s.at[t], layout=row)[:, None]],
-                                                   axis=1), axis=0)
-                    u = vb - sums[:bv]
-                    o_s[t] = sums[bv:] + u * kq_s[t]
-                    return S + plgpu.load(k_s.at[t], layout=row)[:, None] * u[None, :]
-                u = vb - jnp.sum(kb_S, axis=0)
+                u = vb - jnp.sum(S * plgpu.load(kb_s.at[t], layout=row)[:, None], axis=0)
                 S = S + plgpu.load(k_s.at[t], layout=row)[:, None] * u[None, :]
                 if write_o:
                     o_s[t] = jnp.sum(S * plgpu.load(q_s.at[t], layout=row)[:, None], axis=0)
@@ -455,7 +435,6 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             plgpu.SMEM((T, bv), f32),           # o
             plgpu.Barrier(num_barriers=10),
             *((plgpu.Barrier(num_barriers=T),) if n_prep else ()),   # token t prepared
-            *((plgpu.SMEM((T,), f32),) if merged else ()),           # k . (scale q) per token
             *((plgpu.SMEM((W, 2, K), dt),        # the new window's q, k rows (first column block)
                plgpu.SMEM((W, bv), dt)) if write_window else ()),   # its v columns of this block
         ),

@@ -241,50 +241,6 @@ def test_reduction_scratch_setting_cross_lowers(monkeypatch):
     assert all("mosaic_gpu" in t for t in texts) and texts[0] != texts[1]
 
 
-# (T, n, n_prep, block_v): a verify, a decode, a verify of a masked prefix, one warpgroup, 16 columns
-MERGED_CASES = [(9, None, 2, None), (1, None, 2, None), (9, 4, 2, None), (5, None, 0, None), (9, None, 1, 16)]
-
-
-@pytest.mark.parametrize("T,n,n_prep,block_v", MERGED_CASES)
-@interpret_only
-def test_interpret_merged_reduction_matches_reference(T, n, n_prep, block_v, monkeypatch):
-    """MERGED_REDUCTION (o = S'^T q + u (k . q), both column sums of the decayed state in one
-    reduction) against float64, and against the default build: the same state to rounding, o
-    within float32 reassociation; no race flagged (k . q goes through SMEM)."""
-    from pallas_kernels import kda_step_fused
-    monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", n_prep)
-    args, logits = _logit_inputs(T, seed=110 + T, dtype=F32)
-    args[5] = logits
-    kw = dict(beta_logits=True, block_v=block_v)
-    want_o, want_s = _run(tuple(args), n, **kw)
-    monkeypatch.setattr(kda_step_fused, "MERGED_REDUCTION", True)
-    monkeypatch.setattr(kda_step_fused, "REDUCTION_SCRATCH_BYTES", 8192)
-    o, s = _run(tuple(args), n, **kw)
-    fo, fs = _reference(tuple(args), n, dtype=jnp.float64, beta_logits=True)
-    assert _rel(o, fo) <= 1e-5 and _rel(s, fs) <= 1e-5, (_rel(o, fo), _rel(s, fs))
-    assert _rel(o, want_o) <= 1e-6 and _rel(s, want_s) <= 1e-6, (_rel(o, want_o), _rel(s, want_s))
-    assert not np.array_equal(np.asarray(o), np.asarray(want_o))   # another formula for o: rounds apart
-
-
-def test_merged_reduction_cross_lowers(monkeypatch):
-    """MERGED_REDUCTION with an 8 KiB reduction scratch lowers for CUDA at the Ling shape: a verify
-    to a different module than the default; a commit (no o, one reduction) to the same module."""
-    from pallas_kernels import kda_step_fused
-    args = _inputs(1, 9, 32, 128, dtype=BF16)
-    texts = {}
-    for merged in (False, True):
-        monkeypatch.setattr(kda_step_fused, "MERGED_REDUCTION", merged)
-        monkeypatch.setattr(kda_step_fused, "REDUCTION_SCRATCH_BYTES", 8192)
-        verify = lambda *a: kda_fused_step_pallas(*a, write_state=False, beta_logits=True)   # traced anew
-        commit = lambda *a: kda_fused_step_pallas(*a, jnp.int32(5), write_o=False, state_in_place=True,
-                                                  write_window=True, beta_logits=True)
-        for name, f in (("verify", verify), ("commit", commit)):
-            texts[name, merged] = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert all("mosaic_gpu" in t for t in texts.values())
-    assert texts["verify", True] != texts["verify", False]
-    assert texts["commit", True] == texts["commit", False]
-
-
 def test_warp_specialised_rejects_other_counts(monkeypatch):
     from pallas_kernels import kda_step_fused
     monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", 3)
@@ -522,24 +478,6 @@ def test_gpu_warp_specialised_is_the_same_kernel(T, n, write_o, n_prep, monkeypa
         assert (g is None) == (w is None)
         if g is not None:
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-
-
-@gpu_only
-@pytest.mark.parametrize("own", [False, True], ids=["auto-barriers", "own-barriers"])
-@pytest.mark.parametrize("T,n", [(1, None), (9, None), (9, 4)])
-def test_gpu_merged_reduction_matches_reference(T, n, own, monkeypatch):
-    """MERGED_REDUCTION with the 8 KiB scratch (and OWN_BARRIERS) compiled at the Ling shape: o and
-    the state against float64 as the default build, and within float32 reassociation of it."""
-    from pallas_kernels import kda_step_fused
-    args, logits = _logit_inputs(T, seed=120 + T, H=32, K=128)
-    args[5] = logits
-    want_o, want_s = _run(tuple(args), n, interpret=False, beta_logits=True)
-    for name, value in (("MERGED_REDUCTION", True), ("REDUCTION_SCRATCH_BYTES", 8192), ("OWN_BARRIERS", own)):
-        monkeypatch.setattr(kda_step_fused, name, value)
-    o, s = _run(tuple(args), n, interpret=False, beta_logits=True)
-    fo, fs = _reference(tuple(args), n, dtype=jnp.float64, beta_logits=True)
-    assert _rel(o, fo) <= 1e-5 and _rel(s, fs) <= 1e-5, (_rel(o, fo), _rel(s, fs))
-    assert _rel(o, want_o) <= 1e-6 and _rel(s, want_s) <= 1e-6, (_rel(o, want_o), _rel(s, want_s))
 
 
 @gpu_only
