@@ -141,6 +141,11 @@ REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
 # of 9 in place 11.78 -> 11.44 us; the 12-layer DSpark step 4.497 / 4.501 / 4.503 ms (0, EXP2 off)
 # -> 4.475 / 4.472 / 4.471 ms (2, EXP2 on). Read at trace time.
 PREP_WARPGROUPS = 2
+# The conv weights (q, k, v taps, bf16 in SMEM) loaded and converted to float32 once per warpgroup
+# before the preparation loop and carried in registers through it, instead of once per token
+# (session 36: in the PTX, 64 of the preparation's 132 bf16 -> f32 conversions per token and their
+# loads are of these loop-invariant rows). The same values. Read at trace time.
+HOIST_CONV_WEIGHTS = False
 
 
 def pick_block_v(V: int, block_v: int | None) -> int:
@@ -282,12 +287,16 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
                 acc = acc + row_of(i) * w_of(i)
             return acc * _sigmoid(acc)                # silu, in float32
 
-        def prep(t, a):
+        def conv_weights():      # ([q taps], [k taps]) as float32 [K] rows, [v taps] as [bv] columns
+            return ([[plgpu.load(cw_s.at[i, c], layout=row).astype(f32) for i in range(ks)] for c in range(2)],
+                    [plgpu.load(cwv_s.at[i, j], layout=col).astype(f32) for i in range(ks)])
+
+        def prep(t, a, w=None):  # w: conv_weights() loaded before the loop (HOIST_CONV_WEIGHTS), or None
             keep = t < n_valid
+            w_qk, w_v = conv_weights() if w is None else w
             qk = [conv(lambda i: plgpu.load(qk_s.at[t + i, c], layout=row).astype(f32),
-                       lambda i: plgpu.load(cw_s.at[i, c], layout=row).astype(f32)) for c in range(2)]
-            v = conv(lambda i: plgpu.load(v_s.at[t + i, j], layout=col).astype(f32),
-                     lambda i: plgpu.load(cwv_s.at[i, j], layout=col).astype(f32))
+                       lambda i: w_qk[c][i]) for c in range(2)]
+            v = conv(lambda i: plgpu.load(v_s.at[t + i, j], layout=col).astype(f32), lambda i: w_v[i])
             q = qk[0] * (lax.rsqrt(jnp.sum(qk[0] * qk[0]) + L2_EPS) * scale)
             k = qk[1] * lax.rsqrt(jnp.sum(qk[1] * qk[1]) + L2_EPS)
             x = plgpu.load(f_s.at[t], layout=row).astype(f32) + plgpu.load(dtb_s, layout=row)
@@ -323,6 +332,9 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             def _():
                 plgpu.copy_smem_to_gmem(wqk_s, win_g.at[b, :, pl.ds(0, 2), h, :])
 
+        def prep_carry():        # the preparation loop's invariants, after wait_inputs: exp(A_log[h]) (+ w)
+            return (jnp.exp(alog_g[h]), conv_weights()) if HOIST_CONV_WEIGHTS else (jnp.exp(alog_g[h]),)
+
         # ---- recurrence (state tile [K, bv] in registers); wait_token(t) before token t's rows
         def recurrence(wait_token):
             S = plgpu.load(st_s, layout=plgpu.Layout.WGMMA)
@@ -351,11 +363,11 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             issue_copies()
             wait_inputs()
 
-            def prep_step(t, a):
-                prep(t, a)
-                return a
+            def prep_step(t, carry):
+                prep(t, *carry)
+                return carry
 
-            lax.fori_loop(0, steps, prep_step, jnp.exp(alog_g[h]))
+            lax.fori_loop(0, steps, prep_step, prep_carry())
             if write_window:
                 stage_window()
             plgpu.commit_smem()                       # the rows above are read in other layouts below
@@ -377,13 +389,13 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
                     issue_copies()
                 wait_inputs()
 
-                def prep_step(i, a):
+                def prep_step(i, carry):
                     t = p + i * n_prep
-                    prep(t, a)
+                    prep(t, *carry)
                     plgpu.barrier_arrive(ready.at[t])  # each thread releases its own row stores
-                    return a
+                    return carry
 
-                lax.fori_loop(0, (steps - p + n_prep - 1) // n_prep, prep_step, jnp.exp(alog_g[h]))
+                lax.fori_loop(0, (steps - p + n_prep - 1) // n_prep, prep_step, prep_carry())
                 if write_window and p == 0:
                     stage_window()
                     plgpu.commit_smem()

@@ -241,6 +241,45 @@ def test_reduction_scratch_setting_cross_lowers(monkeypatch):
     assert all("mosaic_gpu" in t for t in texts) and texts[0] != texts[1]
 
 
+@pytest.mark.parametrize("n_prep", [0, 2])
+@pytest.mark.parametrize("T,n,write_o,write_state,write_window,block_v,dtype", WS_CASES[:3])
+@interpret_only
+def test_interpret_hoisted_conv_weights_are_the_same_kernel(T, n, write_o, write_state, write_window, block_v,
+                                                            dtype, n_prep, monkeypatch):
+    """HOIST_CONV_WEIGHTS (the conv taps loaded once before the preparation loop, carried in
+    registers): the same outputs bit for bit, with one warpgroup and warp-specialised."""
+    from pallas_kernels import kda_step_fused
+    monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", n_prep)
+    args, logits = _logit_inputs(T, seed=130 + T + n_prep, dtype=dtype)
+    args[5] = logits
+    kw = dict(write_o=write_o, write_state=write_state, write_window=write_window, block_v=block_v,
+              beta_logits=True, state_in_place=write_state and not write_o)
+    want = _run(tuple(args), n, **kw)
+    monkeypatch.setattr(kda_step_fused, "HOIST_CONV_WEIGHTS", True)
+    got = _run(tuple(args), n, **kw)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_hoisted_conv_weights_cross_lower(monkeypatch):
+    """HOIST_CONV_WEIGHTS lowers for CUDA at the Ling shape (a verify and a commit with the window),
+    to different modules than the default."""
+    from pallas_kernels import kda_step_fused
+    args = _inputs(1, 9, 32, 128, dtype=BF16)
+    texts = {}
+    for hoist in (False, True):
+        monkeypatch.setattr(kda_step_fused, "HOIST_CONV_WEIGHTS", hoist)
+        verify = lambda *a: kda_fused_step_pallas(*a, write_state=False, beta_logits=True)   # traced anew
+        commit = lambda *a: kda_fused_step_pallas(*a, jnp.int32(5), write_o=False, state_in_place=True,
+                                                  write_window=True, beta_logits=True)
+        for name, f in (("verify", verify), ("commit", commit)):
+            texts[name, hoist] = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert all("mosaic_gpu" in t for t in texts.values())
+    assert texts["verify", True] != texts["verify", False] and texts["commit", True] != texts["commit", False]
+
+
 def test_warp_specialised_rejects_other_counts(monkeypatch):
     from pallas_kernels import kda_step_fused
     monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", 3)
@@ -482,13 +521,16 @@ def test_gpu_warp_specialised_is_the_same_kernel(T, n, write_o, n_prep, monkeypa
 
 @gpu_only
 @pytest.mark.parametrize("settings", [{"REDUCTION_SCRATCH_BYTES": 4096},
-                                      {"REDUCTION_SCRATCH_BYTES": 4096, "OWN_BARRIERS": True}],
-                         ids=["scratch4096", "scratch4096-own-barriers"])
+                                      {"REDUCTION_SCRATCH_BYTES": 4096, "OWN_BARRIERS": True},
+                                      {"HOIST_CONV_WEIGHTS": True},
+                                      {"HOIST_CONV_WEIGHTS": True, "REDUCTION_SCRATCH_BYTES": 4096,
+                                       "OWN_BARRIERS": True}],
+                         ids=["scratch4096", "scratch4096-own-barriers", "hoist", "hoist-scratch4096-own-barriers"])
 @pytest.mark.parametrize("T,n,write_o", [(1, None, True), (9, None, True), (9, 5, False), (9, 0, False)])
 def test_gpu_reduction_settings_are_the_same_kernel(T, n, write_o, settings, monkeypatch):
-    """The larger reduction scratch (one round per cross-warp reduction) and OWN_BARRIERS with the
-    warp-specialised default, compiled at the Ling shape as the model calls the kernel: the same
-    outputs bit for bit as the default settings."""
+    """The larger reduction scratch (one round per cross-warp reduction), OWN_BARRIERS and the
+    hoisted conv weights with the warp-specialised default, compiled at the Ling shape as the model
+    calls the kernel: the same outputs bit for bit as the default settings."""
     from pallas_kernels import kda_step_fused
     args, logits = _logit_inputs(T, seed=80 + T, H=32, K=128)
     args[5] = logits
