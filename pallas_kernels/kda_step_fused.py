@@ -43,7 +43,8 @@ Design
   a scalar), the gate, the mask t < n (g = 0, beta = 0: exactly the identity in the recurrence
   below, exp(0) = 1 and u = 0 so S + k*0 = S for any finite S, so a replay of a block with n
   accepted tokens leaves the state bit for bit as after those n), beta folded into k and v
-  (u = beta v - S^T (beta k)).
+  (u = beta v - S^T (beta k)). The conv weights are loaded (and widened to float32) once per
+  warpgroup before the loop and carried in registers (``HOIST_CONV_WEIGHTS``, session 36).
   q (scaled), k, beta k and the decay exp(g) (computed here, off the recurrence's serial chain,
   session 35) go to SMEM as [T, K] float32 rows, beta v as [T, bv]. A loop, not an
   unrolled sequence: the unrolled form was 1.5 MB of MLIR at T = 9 (vs 0.28 MB) and, in its first
@@ -87,7 +88,7 @@ Status (H200, jax 0.11.2, sessions 11 and 19; docs/PERFORMANCE.md): GPU tests pa
 float64 <= 1e-5; ptxas 109-116 registers, no spills); in the full-depth fp8 model a decode call
 takes 5.1 us, a verify call (T = 9) 15.5 us, a commit 8.4 us. Session 35 (an H100, EXP2 off): a
 verify call 13.99 us in bench.kernels warp-specialised, 15.64 us with one warpgroup; with the
-current defaults 31 GPU tests pass. On CPU (CI): interpret mode with race detection against the
+current defaults 31 GPU tests pass. Session 36 (H100): the hoisted conv weights 14.08 -> 12.85 us. On CPU (CI): interpret mode with race detection against the
 reference, and cross-lowering for CUDA at the Ling shape.
 """
 
@@ -143,9 +144,12 @@ REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
 PREP_WARPGROUPS = 2
 # The conv weights (q, k, v taps, bf16 in SMEM) loaded and converted to float32 once per warpgroup
 # before the preparation loop and carried in registers through it, instead of once per token
-# (session 36: in the PTX, 64 of the preparation's 132 bf16 -> f32 conversions per token and their
-# loads are of these loop-invariant rows). The same values. Read at trace time.
-HOIST_CONV_WEIGHTS = False
+# (session 36: 64 of the preparation's 132 bf16 -> f32 conversions per token were of these
+# loop-invariant rows; deviceless PTX 547 -> 431 instructions per token, 113 -> 135 registers, no
+# spills). The same values bit for bit (GPU tests, run 139). On an H100 (run 139, one A/B in one
+# process): verify T = 9 14.08 -> 12.85 us per call (`net`); the model-level step not measured.
+# On by default since session 36. Read at trace time.
+HOIST_CONV_WEIGHTS = True
 
 
 def pick_block_v(V: int, block_v: int | None) -> int:

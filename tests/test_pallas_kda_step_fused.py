@@ -254,6 +254,7 @@ def test_interpret_hoisted_conv_weights_are_the_same_kernel(T, n, write_o, write
     args[5] = logits
     kw = dict(write_o=write_o, write_state=write_state, write_window=write_window, block_v=block_v,
               beta_logits=True, state_in_place=write_state and not write_o)
+    monkeypatch.setattr(kda_step_fused, "HOIST_CONV_WEIGHTS", False)
     want = _run(tuple(args), n, **kw)
     monkeypatch.setattr(kda_step_fused, "HOIST_CONV_WEIGHTS", True)
     got = _run(tuple(args), n, **kw)
@@ -522,15 +523,14 @@ def test_gpu_warp_specialised_is_the_same_kernel(T, n, write_o, n_prep, monkeypa
 @gpu_only
 @pytest.mark.parametrize("settings", [{"REDUCTION_SCRATCH_BYTES": 4096},
                                       {"REDUCTION_SCRATCH_BYTES": 4096, "OWN_BARRIERS": True},
-                                      {"HOIST_CONV_WEIGHTS": True},
-                                      {"HOIST_CONV_WEIGHTS": True, "REDUCTION_SCRATCH_BYTES": 4096,
-                                       "OWN_BARRIERS": True}],
-                         ids=["scratch4096", "scratch4096-own-barriers", "hoist", "hoist-scratch4096-own-barriers"])
+                                      {"HOIST_CONV_WEIGHTS": False}],
+                         ids=["scratch4096", "scratch4096-own-barriers", "conv-weights-per-token"])
 @pytest.mark.parametrize("T,n,write_o", [(1, None, True), (9, None, True), (9, 5, False), (9, 0, False)])
 def test_gpu_reduction_settings_are_the_same_kernel(T, n, write_o, settings, monkeypatch):
-    """The larger reduction scratch (one round per cross-warp reduction), OWN_BARRIERS and the
-    hoisted conv weights with the warp-specialised default, compiled at the Ling shape as the model
-    calls the kernel: the same outputs bit for bit as the default settings."""
+    """The larger reduction scratch (one round per cross-warp reduction), OWN_BARRIERS, and the conv
+    weights loaded per token (HOIST_CONV_WEIGHTS off), each against the defaults (warp-specialised,
+    hoisted weights), compiled at the Ling shape as the model calls the kernel: the same outputs
+    bit for bit (run 139: 7 passed with the hoisted weights as the setting under test)."""
     from pallas_kernels import kda_step_fused
     args, logits = _logit_inputs(T, seed=80 + T, H=32, K=128)
     args[5] = logits
