@@ -88,8 +88,9 @@ Status (H200, jax 0.11.2, sessions 11 and 19; docs/PERFORMANCE.md): GPU tests pa
 float64 <= 1e-5; ptxas 109-116 registers, no spills); in the full-depth fp8 model a decode call
 takes 5.1 us, a verify call (T = 9) 15.5 us, a commit 8.4 us. Session 35 (an H100, EXP2 off): a
 verify call 13.99 us in bench.kernels warp-specialised, 15.64 us with one warpgroup; with the
-current defaults 31 GPU tests pass. Session 36 (H100): the hoisted conv weights 14.08 -> 12.85 us. On CPU (CI): interpret mode with race detection against the
-reference, and cross-lowering for CUDA at the Ling shape.
+current defaults 31 GPU tests pass. Session 36 (H100): the hoisted conv weights, 14.08 -> 12.85 us
+per verify call. On CPU (CI): interpret mode with race detection against the reference, and
+cross-lowering for CUDA at the Ling shape.
 """
 
 from __future__ import annotations
