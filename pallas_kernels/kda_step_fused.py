@@ -151,6 +151,16 @@ PREP_WARPGROUPS = 2
 # process): verify T = 9 14.08 -> 12.85 us per call (`net`); the model-level step not measured.
 # On by default since session 36. Read at trace time.
 HOIST_CONV_WEIGHTS = True
+# The preparation in the warpgroup-strided layout (session 36; off: built, not yet run on a GPU):
+# one element of each [K] row per thread (K = 128: no replication) instead of the WGMMA row /
+# column vectors, which hold each K-row element 4 times over a warpgroup and each of the program's
+# bv v columns 32 times; v is prepared for all V columns (the v rows of every column block are in
+# SMEM already) and beta v stored as [T, V // bv, bv] rows, of which the recurrence reads its block.
+# Deviceless PTX (H200 target, verify T = 9): 431 -> 148 instructions per token in the preparation
+# loop, 135 -> 92 registers, no spills. The L2 norms reduce in another order (not bit for bit the
+# default). Needs K % 128 == 0.
+# Read at trace time.
+STRIDED_PREP = False
 
 
 def pick_block_v(V: int, block_v: int | None) -> int:
@@ -244,6 +254,12 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
     n_prep = PREP_WARPGROUPS
     if n_prep not in (0, 1, 2):
         raise ValueError(f"kda_step_fused.PREP_WARPGROUPS={n_prep} must be 0, 1 or 2")
+    strided = STRIDED_PREP
+    if strided and K % 128:
+        raise ValueError(f"kda_step_fused.STRIDED_PREP needs K % 128 == 0 (one element per thread), got K={K}")
+    # the preparation's vectors: [K] rows and the v rows ([nv, bv] for all columns, or [bv] for this block)
+    prow = plgpu.Layout.WG_STRIDED((K,), vec_size=1) if strided else row
+    pv = plgpu.Layout.WG_STRIDED((nv, bv), vec_size=1) if strided else col
     if REDUCTION_SCRATCH_BYTES <= 0 or REDUCTION_SCRATCH_BYTES % 1024:
         raise ValueError(f"kda_step_fused.REDUCTION_SCRATCH_BYTES={REDUCTION_SCRATCH_BYTES} must be a positive "
                          "multiple of 1024 (Mosaic's SMEM alignment: the warpgroups' scratch pads are that size)")
@@ -292,19 +308,22 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
                 acc = acc + row_of(i) * w_of(i)
             return acc * _sigmoid(acc)                # silu, in float32
 
-        def conv_weights():      # ([q taps], [k taps]) as float32 [K] rows, [v taps] as [bv] columns
-            return ([[plgpu.load(cw_s.at[i, c], layout=row).astype(f32) for i in range(ks)] for c in range(2)],
-                    [plgpu.load(cwv_s.at[i, j], layout=col).astype(f32) for i in range(ks)])
+        def v_rows(ref):         # this block's [bv] columns, or (STRIDED_PREP) all [nv, bv]
+            return ref if strided else ref.at[j]
+
+        def conv_weights():      # ([q taps], [k taps]) as float32 [K] rows, [v taps] as v rows
+            return ([[plgpu.load(cw_s.at[i, c], layout=prow).astype(f32) for i in range(ks)] for c in range(2)],
+                    [plgpu.load(v_rows(cwv_s.at[i]), layout=pv).astype(f32) for i in range(ks)])
 
         def prep(t, a, w=None):  # w: conv_weights() loaded before the loop (HOIST_CONV_WEIGHTS), or None
             keep = t < n_valid
             w_qk, w_v = conv_weights() if w is None else w
-            qk = [conv(lambda i: plgpu.load(qk_s.at[t + i, c], layout=row).astype(f32),
+            qk = [conv(lambda i: plgpu.load(qk_s.at[t + i, c], layout=prow).astype(f32),
                        lambda i: w_qk[c][i]) for c in range(2)]
-            v = conv(lambda i: plgpu.load(v_s.at[t + i, j], layout=col).astype(f32), lambda i: w_v[i])
+            v = conv(lambda i: plgpu.load(v_rows(v_s.at[t + i]), layout=pv).astype(f32), lambda i: w_v[i])
             q = qk[0] * (lax.rsqrt(jnp.sum(qk[0] * qk[0]) + L2_EPS) * scale)
             k = qk[1] * lax.rsqrt(jnp.sum(qk[1] * qk[1]) + L2_EPS)
-            x = plgpu.load(f_s.at[t], layout=row).astype(f32) + plgpu.load(dtb_s, layout=row)
+            x = plgpu.load(f_s.at[t], layout=prow).astype(f32) + plgpu.load(dtb_s, layout=prow)
             if safe_gate:
                 g = lower_bound * _sigmoid(a * x)
             else:                         # -a softplus(x), softplus(x) = max(x, 0) + log(1 + exp(-|x|))
@@ -347,7 +366,7 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             def step(t, S):
                 wait_token(t)
                 S = S * plgpu.load(e_s.at[t], layout=row)[:, None]
-                vb = plgpu.load(vb_s.at[t], layout=col)
+                vb = plgpu.load(vb_s.at[t, j] if strided else vb_s.at[t], layout=col)
                 u = vb - jnp.sum(S * plgpu.load(kb_s.at[t], layout=row)[:, None], axis=0)
                 S = S + plgpu.load(k_s.at[t], layout=row)[:, None] * u[None, :]
                 if write_o:
@@ -448,7 +467,7 @@ def kda_fused_step_pallas(proj, window, conv_w, A_log, dt_bias, beta, state, n=N
             plgpu.SMEM((T, K), f32),            # normalised k
             plgpu.SMEM((T, K), f32),            # beta k
             plgpu.SMEM((T, K), f32),            # exp(g) (1 where masked)
-            plgpu.SMEM((T, bv), f32),           # beta v
+            plgpu.SMEM((T, nv, bv) if strided else (T, bv), f32),   # beta v (all column blocks: STRIDED_PREP)
             plgpu.SMEM((T, bv), f32),           # o
             plgpu.Barrier(num_barriers=10),
             *((plgpu.Barrier(num_barriers=T),) if n_prep else ()),   # token t prepared

@@ -281,6 +281,51 @@ def test_hoisted_conv_weights_cross_lower(monkeypatch):
     assert texts["verify", True] != texts["verify", False] and texts["commit", True] != texts["commit", False]
 
 
+# (T, n, n_prep, write_o, write_window): a verify, a commit of 3 of 5 with the window, a decode on one warpgroup
+STRIDED_CASES = [(9, None, 2, True, False), (5, 3, 2, False, True), (1, None, 0, True, True)]
+
+
+@pytest.mark.parametrize("T,n,n_prep,write_o,write_window", STRIDED_CASES)
+@interpret_only
+def test_interpret_strided_preparation_matches_reference(T, n, n_prep, write_o, write_window, monkeypatch):
+    """STRIDED_PREP (the preparation one element per thread, v for all column blocks) against float64
+    and within float32 rounding of the default build (the L2 norms sum in another order); the same
+    window bit for bit; no race flagged (beta v rows of every block in SMEM)."""
+    from pallas_kernels import kda_step_fused
+    monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", n_prep)
+    args, logits = _logit_inputs(T, seed=140 + T, dtype=BF16, H=2, K=128)
+    args[5] = logits
+    kw = dict(write_o=write_o, write_state=True, write_window=write_window, beta_logits=True)
+    want = _run(tuple(args), n, **kw)
+    monkeypatch.setattr(kda_step_fused, "STRIDED_PREP", True)
+    got = _run(tuple(args), n, **kw)
+    fo, fs = _reference(tuple(args), n, dtype=jnp.float64, beta_logits=True)
+    if write_o:
+        assert _rel(got[0], fo) <= 1e-5 and _rel(got[0], want[0]) <= 1e-6, (_rel(got[0], fo), _rel(got[0], want[0]))
+    assert _rel(got[1], fs) <= 1e-5 and _rel(got[1], want[1]) <= 1e-6, (_rel(got[1], fs), _rel(got[1], want[1]))
+    if write_window:
+        np.testing.assert_array_equal(np.asarray(got[2], np.float32), np.asarray(want[2], np.float32))
+
+
+def test_strided_preparation_cross_lowers_and_rejects_small_heads(monkeypatch):
+    """STRIDED_PREP lowers for CUDA at the Ling shape (a verify; a commit with the state in place and
+    the window) to other modules than the default, and refuses K = 64 (not one element per thread)."""
+    from pallas_kernels import kda_step_fused
+    args = _inputs(1, 9, 32, 128, dtype=BF16)
+    texts = {}
+    for strided in (False, True):
+        monkeypatch.setattr(kda_step_fused, "STRIDED_PREP", strided)
+        verify = lambda *a: kda_fused_step_pallas(*a, write_state=False, beta_logits=True)   # traced anew
+        commit = lambda *a: kda_fused_step_pallas(*a, jnp.int32(5), write_o=False, state_in_place=True,
+                                                  write_window=True, beta_logits=True)
+        for name, f in (("verify", verify), ("commit", commit)):
+            texts[name, strided] = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert all("mosaic_gpu" in t for t in texts.values())
+    assert texts["verify", True] != texts["verify", False] and texts["commit", True] != texts["commit", False]
+    with pytest.raises(ValueError, match="STRIDED_PREP needs K % 128 == 0"):
+        kda_fused_step_pallas(*_inputs(1, 2, 1, 64), interpret=INTERPRET)
+
+
 def test_warp_specialised_rejects_other_counts(monkeypatch):
     from pallas_kernels import kda_step_fused
     monkeypatch.setattr(kda_step_fused, "PREP_WARPGROUPS", 3)
@@ -518,6 +563,27 @@ def test_gpu_warp_specialised_is_the_same_kernel(T, n, write_o, n_prep, monkeypa
         assert (g is None) == (w is None)
         if g is not None:
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@gpu_only
+@pytest.mark.parametrize("T,n,write_o", [(1, None, True), (9, None, True), (9, 5, False)])
+def test_gpu_strided_preparation_matches_reference(T, n, write_o, monkeypatch):
+    """STRIDED_PREP compiled at the Ling shape as the model calls the kernel: against float64 and
+    within float32 rounding of the default build; the window bit for bit."""
+    from pallas_kernels import kda_step_fused
+    args, logits = _logit_inputs(T, seed=150 + T, H=32, K=128)
+    args[5] = logits
+    kw = dict(write_o=write_o, write_state=True, state_in_place=not write_o, write_window=not write_o,
+              beta_logits=True)
+    want = _run(tuple(args), n, interpret=False, **kw)
+    monkeypatch.setattr(kda_step_fused, "STRIDED_PREP", True)
+    got = _run(tuple(args), n, interpret=False, **kw)
+    fo, fs = _reference(tuple(args), n, dtype=jnp.float64, beta_logits=True)
+    if write_o:
+        assert _rel(got[0], fo) <= 1e-5 and _rel(got[0], want[0]) <= 1e-6, (_rel(got[0], fo), _rel(got[0], want[0]))
+    assert _rel(got[1], fs) <= 1e-5 and _rel(got[1], want[1]) <= 1e-6, (_rel(got[1], fs), _rel(got[1], want[1]))
+    if not write_o:
+        np.testing.assert_array_equal(np.asarray(got[2], np.float32), np.asarray(want[2], np.float32))
 
 
 @gpu_only
