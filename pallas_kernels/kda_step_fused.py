@@ -44,7 +44,10 @@ Design
   below, exp(0) = 1 and u = 0 so S + k*0 = S for any finite S, so a replay of a block with n
   accepted tokens leaves the state bit for bit as after those n), beta folded into k and v
   (u = beta v - S^T (beta k)). The conv weights are loaded (and widened to float32) once per
-  warpgroup before the loop and carried in registers (``HOIST_CONV_WEIGHTS``, session 36).
+  warpgroup before the loop and carried in registers (``HOIST_CONV_WEIGHTS``, session 36). The
+  preparation's vectors are the recurrence's WGMMA row / column vectors, which replicate each
+  element over several threads; ``STRIDED_PREP`` (opt-in, not yet run on a GPU) prepares one
+  element per thread instead.
   q (scaled), k, beta k and the decay exp(g) (computed here, off the recurrence's serial chain,
   session 35) go to SMEM as [T, K] float32 rows, beta v as [T, bv]. A loop, not an
   unrolled sequence: the unrolled form was 1.5 MB of MLIR at T = 9 (vs 0.28 MB) and, in its first
