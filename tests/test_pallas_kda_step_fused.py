@@ -264,20 +264,27 @@ def test_interpret_hoisted_conv_weights_are_the_same_kernel(T, n, write_o, write
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
-def test_hoisted_conv_weights_cross_lower(monkeypatch):
-    """HOIST_CONV_WEIGHTS lowers for CUDA at the Ling shape (a verify and a commit with the window),
-    to different modules than the default."""
+def _lowered_verify_and_commit(monkeypatch, setting, values):
+    """{(name, value): StableHLO text} of a verify and a commit (state in place, window) at the Ling
+    shape, lowered for CUDA with kda_step_fused.<setting> = each of values (traced anew each time)."""
     from pallas_kernels import kda_step_fused
     args = _inputs(1, 9, 32, 128, dtype=BF16)
     texts = {}
-    for hoist in (False, True):
-        monkeypatch.setattr(kda_step_fused, "HOIST_CONV_WEIGHTS", hoist)
-        verify = lambda *a: kda_fused_step_pallas(*a, write_state=False, beta_logits=True)   # traced anew
+    for value in values:
+        monkeypatch.setattr(kda_step_fused, setting, value)
+        verify = lambda *a: kda_fused_step_pallas(*a, write_state=False, beta_logits=True)
         commit = lambda *a: kda_fused_step_pallas(*a, jnp.int32(5), write_o=False, state_in_place=True,
                                                   write_window=True, beta_logits=True)
         for name, f in (("verify", verify), ("commit", commit)):
-            texts[name, hoist] = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            texts[name, value] = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert all("mosaic_gpu" in t for t in texts.values())
+    return texts
+
+
+def test_hoisted_conv_weights_cross_lower(monkeypatch):
+    """HOIST_CONV_WEIGHTS lowers for CUDA at the Ling shape (a verify and a commit with the window),
+    to different modules than the default."""
+    texts = _lowered_verify_and_commit(monkeypatch, "HOIST_CONV_WEIGHTS", (False, True))
     assert texts["verify", True] != texts["verify", False] and texts["commit", True] != texts["commit", False]
 
 
@@ -310,17 +317,7 @@ def test_interpret_strided_preparation_matches_reference(T, n, n_prep, write_o, 
 def test_strided_preparation_cross_lowers_and_rejects_small_heads(monkeypatch):
     """STRIDED_PREP lowers for CUDA at the Ling shape (a verify; a commit with the state in place and
     the window) to other modules than the default, and refuses K = 64 (not one element per thread)."""
-    from pallas_kernels import kda_step_fused
-    args = _inputs(1, 9, 32, 128, dtype=BF16)
-    texts = {}
-    for strided in (False, True):
-        monkeypatch.setattr(kda_step_fused, "STRIDED_PREP", strided)
-        verify = lambda *a: kda_fused_step_pallas(*a, write_state=False, beta_logits=True)   # traced anew
-        commit = lambda *a: kda_fused_step_pallas(*a, jnp.int32(5), write_o=False, state_in_place=True,
-                                                  write_window=True, beta_logits=True)
-        for name, f in (("verify", verify), ("commit", commit)):
-            texts[name, strided] = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert all("mosaic_gpu" in t for t in texts.values())
+    texts = _lowered_verify_and_commit(monkeypatch, "STRIDED_PREP", (False, True))
     assert texts["verify", True] != texts["verify", False] and texts["commit", True] != texts["commit", False]
     with pytest.raises(ValueError, match="STRIDED_PREP needs K % 128 == 0"):
         kda_fused_step_pallas(*_inputs(1, 2, 1, 64), interpret=INTERPRET)
