@@ -37,16 +37,16 @@ def _release_compiled_executables():
 
 
 # ---- the extended tier ---------------------------------------------------------------------------
-# Tests CI leaves out to stay within its time limit (the whole suite took 91 min on the 2-core CI
-# host, session 37): further cases of sweeps whose first cases CI runs, bench entry-point smokes
+# Tests CI leaves out to stay within its 90 min limit (the whole suite took 91 min on a 2-core host
+# like CI's, session 37): further cases of sweeps whose first cases CI runs, bench entry-point smokes
 # whose paths other tests cover, and end-to-end repeats of a kernel switch under another setting.
 # `./run.sh test` deselects them (-m "not extended"); `LINGJAX_TEST_ALL=1 ./run.sh test` runs them
 # too. Entries are node ids under tests/; one without [params] covers every case of that test.
-# Seconds on the CI host (session 37) beside each.
+# Seconds on that host beside each (junit durations, session 37).
 EXTENDED = [
-    "test_bench_kernels.py::test_kernels_smoke",                                          # 638: every kernel row;
-    # ..._no_xla_compares_with_the_first_kernel_row runs the entry point in CI
-    "test_bench_kernel_parity.py::test_kernel_parity_tiny_interpret",                     # 356: the *_kernel_switch tests
+    "test_bench_kernels.py::test_kernels_smoke",                                          # 638: every kernel row
+    # (test_kernels_no_xla_compares_with_the_first_kernel_row runs the entry point in CI)
+    "test_bench_kernel_parity.py::test_kernel_parity_tiny_interpret",                     # 356 (the *_kernel_switch tests cover it)
     "test_bench_kda_layer_timing.py::test_smoke_record",                                  # 180
     "test_bench_approx.py::test_approx_quality_smoke",                                    # 97
     "test_bench_batch1.py::test_batch1_smoke[dspark-3.0-4-bf16]",                         # 70 (dspark fp8 in CI)
